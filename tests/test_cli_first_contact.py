@@ -499,3 +499,29 @@ def test_gc_names_the_command_that_removes_a_corrupt_checkpoint_as_it_is_run(tmp
     remote_line = [line for line in r.stdout.splitlines() if "step_000000010" in line][-1]
     assert remote_line.startswith(f"keep {url}/step_000000010"), r.stdout
     assert f"`resilient-ckpt gc {root} --remote {url} --remove-corrupt`" in remote_line, remote_line
+
+
+def test_a_transfer_without_a_terminal_says_its_progress(tmp_path, monkeypatch):
+    """``push`` and ``pull`` with stderr not a terminal (a batch job's log, ``| tee``) show no
+    bar, and their progress lines went to the library's logger at INFO, which the command
+    never shows: hours of transfer said nothing until the end. They are now lines on stderr
+    (every 10 s; here at every update)."""
+    import fsspec
+
+    from resilient_callbacks import progress
+
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0, raising=False)
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = f"memory://{tmp_path.name}/run1"  # (a file:// get copies whole files, uncounted)
+    try:
+        r = cli("push", root, url)
+        assert r.returncode == 0, r.stderr
+        said = r"^resilient-ckpt push: pushing step_000000010: .* MB of .* MB"
+        assert re.search(said, r.stderr, re.M), r.stderr
+        r = cli("pull", url, str(tmp_path / "pulled"))
+        assert r.returncode == 0, r.stderr
+        said = r"^resilient-ckpt pull: downloading step_000000010 from .*: .* MB of .* MB"
+        assert re.search(said, r.stderr, re.M), r.stderr
+    finally:
+        fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import catalog, checking, store_wait
+from . import catalog, checking, progress_lines, store_wait
 from .catalog import Depth, Entry, Status
 from .cli_format import (
     CHECKSUMS,
@@ -139,7 +139,8 @@ LARGE_BYTES = 1 << 30
 def reading_said(cmd: str) -> Iterator[None]:
     """While command ``cmd`` runs: a line on stderr before every checksum of a checkpoint of
     at least :data:`LARGE_BYTES` is read (at disk speed: minutes for hundreds of GB), and one
-    when a remote store's listing is not done after a few seconds (:mod:`.store_wait`)."""
+    when a remote store's listing is not done after a few seconds (:mod:`.store_wait`), and a
+    transfer's progress where no bar shows it (stderr not a terminal: :mod:`.progress_lines`)."""
 
     def say(path: str, nbytes: int) -> None:
         if nbytes >= LARGE_BYTES:
@@ -160,7 +161,10 @@ def reading_said(cmd: str) -> Iterator[None]:
             flush=True,
         )
 
-    with checking.said_by(say), store_wait.said_by(waited):
+    def moved(line: str) -> None:  # a transfer's progress where no bar shows (not a terminal)
+        print(f"resilient-ckpt {cmd}: {line}", file=sys.stderr, flush=True)
+
+    with checking.said_by(say), store_wait.said_by(waited), progress_lines.said_by(moved):
         yield
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 from fsspec.callbacks import Callback
 
+from . import progress_lines
+
 log = logging.getLogger("resilient_callbacks")
 
 #: the slowest link a transfer is still taken as moving on: a store that counts bytes only per
@@ -30,6 +32,10 @@ SLOWEST_LINK_BPS = 32 * 1024
 MAX_ALLOWANCE_S = 3600.0
 
 
+#: how often a transfer without a bar says how far it is (a line: the log, or the CLI's stderr)
+LOG_EVERY_S = 10.0
+
+
 def _mb(n: float) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -39,7 +45,7 @@ class Progress:
     terminal and tqdm is installed."""
 
     def __init__(
-        self, total: int, desc: str, *, bar: bool | None = None, log_every_s: float = 10.0
+        self, total: int, desc: str, *, bar: bool | None = None, log_every_s: float | None = None
     ) -> None:
         self.total = total
         self.desc = desc
@@ -51,7 +57,8 @@ class Progress:
         self.unit = 0  # the most bytes one count has carried (a store counting per part)
         self.in_flight = 0  # the most bytes the put under way may move before it counts one
         self._putting = False  # a put under way (:meth:`putting`): the allowance holds
-        self._log_every = log_every_s
+        self._log_every = LOG_EVERY_S if log_every_s is None else log_every_s
+        self._say = progress_lines.say()
         self._bar: Any = None
         if bar is None:
             bar = sys.stderr.isatty()
@@ -79,13 +86,11 @@ class Progress:
             if now - self._last_log >= self._log_every:
                 self._last_log = now
                 rate = self.done / max(now - self._t0, 1e-9)
-                log.info(
-                    "%s: %s of %s (%.0f MB/s)",
-                    self.desc,
-                    _mb(self.done),
-                    _mb(self.total),
-                    rate / 1e6,
-                )
+                line = f"{self.desc}: {_mb(self.done)} of {_mb(self.total)} ({rate / 1e6:.0f} MB/s)"
+                if self._say is not None:
+                    self._say(line)
+                else:
+                    log.info("%s", line)
 
     def expect(self, n: int) -> None:
         """``n`` more bytes to move than the total said (the blobs an upload puts)."""
