@@ -136,11 +136,17 @@ def reconcile_uploads(ck: Checkpointer) -> None:
     later = max(
         (m.seq for e in remote_entries if (m := e.manifest) and m.run_id == d.run_id), default=0
     )
-    dropped = [n for n in missing if (m := by_name[n]) is not None and m.seq < later]
+    held = {e.key for e in remote_entries}  # (a copy there that differs: not deleted)
+    dropped = [
+        n
+        for n in missing
+        if (m := by_name[n]) is not None and m.seq < later and (m.run_id, m.seq) not in held
+    ]
     if dropped:
         log.info(
-            "%d checkpoint(s) of this run were uploaded to %s and deleted from it since "
-            "(resilient-ckpt gc --remote, or by hand): not uploaded again; their local copies "
+            "%d checkpoint(s) of this run were uploaded to %s and deleted from it since (by "
+            "`resilient-ckpt gc --remote`, by hand, or by the retention of an earlier process "
+            "of the run): not uploaded again; their local copies "
             "stay while the local retention keeps them (`resilient-ckpt gc %s "
             "--drop-archives`, or --drop-all-archives, deletes archive points here): %s",
             len(dropped),
