@@ -525,3 +525,19 @@ def test_a_transfer_without_a_terminal_says_its_progress(tmp_path, monkeypatch):
         assert re.search(said, r.stderr, re.M), r.stderr
     finally:
         fsspec.filesystem("memory").rm(f"/{tmp_path.name}", recursive=True)
+
+
+def test_a_directory_with_only_a_save_that_never_committed_says_so(tmp_path):
+    """The first save of a run killed mid-write leaves only its staging folder: ``ls`` lists
+    it as incomplete, but ``verify`` and ``inspect`` said "no checkpoints in DIR" alone, as for
+    a mistyped directory. They now say what is there and what removes it."""
+    root = tmp_path / "ck"
+    staging = root / ".staging-step_000000005-0123456789ab"
+    staging.mkdir(parents=True)
+    (staging / "shared.safetensors").write_bytes(b"torn")
+    for command in ("verify", "inspect"):
+        r = cli(command, str(root))
+        assert r.returncode == 1, r.stdout
+        assert f"no checkpoints in {root}" in r.stderr, r.stderr
+        assert "only a save that never committed: .staging-step_000000005-0123456789ab" in r.stderr
+        assert f"`resilient-ckpt gc {root}` removes it" in r.stderr, r.stderr

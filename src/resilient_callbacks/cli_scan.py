@@ -30,7 +30,7 @@ from .cli_format import (
     iso_time,
     print_json,
 )
-from .commit import CKPT_RE
+from .commit import CKPT_RE, STAGING_PREFIX
 from .errors import CheckpointNotFoundError
 from .manifest import MANIFEST_NAME
 from .redact import command
@@ -214,12 +214,28 @@ def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundEr
     note = f"; {note}" if note else ""
     subs = catalog.holders(path)
     if not subs:
-        return CheckpointNotFoundError(f"no {what} in {path}{note or other_tools_note(path)}")
+        note = note or other_tools_note(path) or _uncommitted_note(path)
+        return CheckpointNotFoundError(f"no {what} in {path}{note}")
     listed = ", ".join(f"{sub} ({n})" for sub, n in subs)
     first = os.path.join(path, subs[0][0])
     return CheckpointNotFoundError(
         f"no {what} in {path}; these subdirectories hold checkpoints: {listed} "
         f"(give one of them, e.g. {first}){note}"
+    )
+
+
+def _uncommitted_note(path: str) -> str:
+    """What to add to "no checkpoints in DIR" where DIR holds only saves that never committed
+    (the first save of a run killed mid-write): which, and what removes them; ``""`` else."""
+    try:
+        names = sorted(n for n in os.listdir(path) if n.startswith(STAGING_PREFIX))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    return (
+        f"; only a save that never committed: {', '.join(names)} (being written, or left by a "
+        f"crash; never loaded): {command('gc', path)} removes it, as the next run does"
     )
 
 
