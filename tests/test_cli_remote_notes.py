@@ -82,3 +82,18 @@ def test_verify_url_json_with_nothing_to_check_prints_the_object(tmp_path):
     r = _cli_process("verify", url, "--json")
     assert r.stdout.lstrip().startswith("{"), (r.returncode, r.stdout, r.stderr)
     assert json.loads(r.stdout)["ok"] is True and r.returncode == 0, (r.stdout, r.stderr)
+
+
+def test_a_store_that_holds_nothing_is_said_with_the_command_and_what_to_check(tmp_path):
+    """``ls DIR --remote URL`` and ``report DIR --remote URL`` of a URL that holds nothing (a
+    typo) said "resilient-ckpt: the remote URL holds no checkpoint": no command named, as
+    every other line does, and nothing on what to check."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    typo = f"file://{tmp_path}/remotr"
+    for command, extra in (("ls", ()), ("report", ("--output", str(tmp_path / "r.html")))):
+        r = cli(command, root, "--remote", typo, *extra)
+        assert r.returncode == 0, r.stderr
+        said = [line for line in r.stderr.splitlines() if "holds no checkpoint" in line]
+        assert said and said[0].startswith(f"resilient-ckpt {command}: the remote {typo}"), said
+        assert "check the URL" in said[0], said

@@ -102,7 +102,11 @@ def add_tiers(entries: list[Entry], rows: list[dict[str, Any]], st: RemoteStore)
     its manifest, its checksums not read)."""
     remote = st.scan()
     if not remote:  # a mistyped URL reads as an empty store: say so, not only "local-only"
-        print(f"resilient-ckpt: the remote {st.url} holds no checkpoint", file=sys.stderr)
+        print(
+            f"resilient-ckpt ls: the remote {st.url} holds no checkpoint: check the URL "
+            "(a mistyped one reads as an empty store)",
+            file=sys.stderr,
+        )
     good = {e.key: e for e in remote if e.key is not None and e.problem is None}
     kept, _, _ = remote_plan(remote)  # why the remote keeps what only it has
     damaged, unreadable = _damage(remote)

@@ -53,7 +53,11 @@ def gc_remote(
 
     entries, names = st.scan_with_blobs() if listed is None else listed
     if not entries:  # a mistyped URL reads as an empty store: say so, as ls --remote does
-        print(f"resilient-ckpt gc: the remote {st.url} holds no checkpoint", file=sys.stderr)
+        print(
+            f"resilient-ckpt gc: the remote {st.url} holds no checkpoint: check the URL "
+            "(a mistyped one reads as an empty store)",
+            file=sys.stderr,
+        )
     p, policy, run_id = remote_plan(entries, args.keep_last, dropped_archives(args))
     if p is None:
         raise no_policy(args, st.url, local=False)

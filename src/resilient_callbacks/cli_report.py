@@ -43,7 +43,11 @@ def report(args: argparse.Namespace) -> int:
     rows = rep.checkpoint_rows(root, remote, verify=args.verify)
     if remote is not None and not any(r["tier"] == "remote" for r in rows):
         # a mistyped URL reads as an empty store: say so (as ls --remote does)
-        print(f"resilient-ckpt: the remote {remote.url} holds no checkpoint", file=sys.stderr)
+        print(
+            f"resilient-ckpt report: the remote {remote.url} holds no checkpoint: check the URL "
+            "(a mistyped one reads as an empty store)",
+            file=sys.stderr,
+        )
     read = history.read_lines(root)  # (read once: a history of many thousand records)
     data = rep.analyse(root, run_id=args.run, checkpoints=rows, now=time.time(), lines=read)
     if skipped := history.unreadable(root, lines=read):  # torn by a crash, foreign: said, not shown
