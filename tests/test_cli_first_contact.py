@@ -466,14 +466,14 @@ def test_report_of_a_run_whose_last_process_was_killed_says_so(tmp_path):
         lines = [line for line in f if '"event": "end"' not in line]
     with open(hist, "w") as f:
         f.writelines(lines)
-    r = cli("report", root, "--output", str(tmp_path / "r.html"))
+    r = cli("report", root, "--json", str(tmp_path / "r.json"))  # (no plots drawn)
     assert r.returncode == 0, r.stderr
     line = r.stderr.splitlines()[0]
     assert "0 failure(s)" in line, line
     assert "its last process did not close (killed, or its machine lost) after step 20" in line
     clean = str(tmp_path / "clean")
     make_run(clean, steps=(10,))
-    r = cli("report", clean, "--output", str(tmp_path / "c.html"))
+    r = cli("report", clean, "--json", str(tmp_path / "c.json"))
     assert r.returncode == 0 and "did not close" not in r.stderr, r.stderr
 
 
