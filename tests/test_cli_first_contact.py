@@ -541,3 +541,19 @@ def test_a_directory_with_only_a_save_that_never_committed_says_so(tmp_path):
         assert f"no checkpoints in {root}" in r.stderr, r.stderr
         assert "only a save that never committed: .staging-step_000000005-0123456789ab" in r.stderr
         assert f"`resilient-ckpt gc {root}` removes it" in r.stderr, r.stderr
+
+
+def test_gc_beside_a_remote_of_a_dir_without_checkpoints_says_it_cleans_the_store_alone(tmp_path):
+    """``gc DIR --remote URL`` with a DIR that exists but holds none of the run's checkpoints
+    (the wrong folder) cleaned the remote store and said nothing of DIR."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10,))
+    url = (tmp_path / "remote").as_uri()
+    assert cli("push", root, url).returncode == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    r = cli("gc", str(other), "--remote", url, "--keep-last", "1")
+    assert r.returncode == 0, r.stderr
+    assert (
+        f"resilient-ckpt gc: {other} holds no checkpoint of ours: cleaning the remote" in r.stderr
+    )

@@ -121,6 +121,7 @@ def gc(args: argparse.Namespace) -> int:
                 note = catalog.not_ours_note(root, foreign) if foreign else None
                 _nothing_to_delete(args, root, f"nothing to delete: {note or no_checkpoints(root)}")
                 return 0
+            missing_dir_note(args, remote, "holds no checkpoint of ours")
             root = None
         lock = DirLock(args.dir, command="gc")
         if not args.dry_run:
@@ -167,12 +168,13 @@ def gc(args: argparse.Namespace) -> int:
     return 1 if result.get("failed") or result.get("remote", {}).get("failed") else 0
 
 
-def missing_dir_note(args: argparse.Namespace, remote: str) -> None:
+def missing_dir_note(args: argparse.Namespace, remote: str, why: str = "does not exist") -> None:
     """``ls``/``gc DIR --remote URL`` where DIR does not exist (a typo, or the run's directory
-    is on another machine): the command goes on with the remote store alone, said on stderr."""
+    is on another machine), or (``why``) holds none of ours: the command goes on with the
+    remote store alone, said on stderr."""
     what = "cleaning" if args.cmd == "gc" else "listing"
     print(
-        f"resilient-ckpt {args.cmd}: {args.dir} does not exist: {what} the remote store alone "
+        f"resilient-ckpt {args.cmd}: {args.dir} {why}: {what} the remote store alone "
         f"({url_text(remote)}); give the run's own directory as DIR for its local checkpoints",
         file=sys.stderr,
     )
