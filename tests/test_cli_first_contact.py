@@ -557,3 +557,21 @@ def test_gc_beside_a_remote_of_a_dir_without_checkpoints_says_it_cleans_the_stor
     assert (
         f"resilient-ckpt gc: {other} holds no checkpoint of ours: cleaning the remote" in r.stderr
     )
+
+
+def test_verify_url_names_a_newer_upload_without_its_manifest(tmp_path):
+    """``verify URL`` of a store whose newest upload has no manifest (in progress, or cut off
+    by a crash) checked the newest committed one and said nothing of it: "the newest" read
+    as the store's newest. It is now named on stderr as not checked."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    remote = tmp_path / "remote"
+    url = remote.as_uri()
+    assert cli("push", root, url).returncode == 0
+    os.unlink(remote / "step_000000020" / "manifest.json")
+    for args in ((), ("--all",)):
+        r = cli("verify", url, *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "step_000000010" in r.stdout, r.stdout
+        said = f"resilient-ckpt verify: not checked: {url}/step_000000020: no manifest"
+        assert said in r.stderr and "an upload in progress" in r.stderr, r.stderr

@@ -10,7 +10,7 @@ import sys
 from . import remote_paths
 from .catalog import PLAIN_DCP_METADATA
 from .cli_format import iso_time
-from .cli_remote import _damage, store
+from .cli_remote import UPLOADING_OR_CUT, _damage, store
 from .cli_scan import report_verified
 from .errors import CheckpointNotFoundError
 from .redact import command, url_text
@@ -53,6 +53,7 @@ def _verify(args: argparse.Namespace) -> int:
             )
     else:
         scope, chosen = ("all", committed) if args.all else ("newest", committed[-1:])
+        _say_uploads(st, remote, max(steps.values()))
     rows = []
     for e in chosen:
         m = e.manifest
@@ -85,6 +86,23 @@ def _verify(args: argparse.Namespace) -> int:
         "again from a valid local one",
         matched="every checksum matches, read from the store",
     )
+
+
+def _say_uploads(st: RemoteStore, remote: list[RemoteEntry], newest: int) -> None:
+    """Name on stderr the checkpoints of a step after the newest committed one that have no
+    manifest (an upload in progress, or one a crash cut off): not checked, as "the newest"
+    could read as the store's newest."""
+    from .remote import NO_MANIFEST
+    from .remote_objects import REMOTE_CKPT_RE
+
+    for e in remote:
+        step = REMOTE_CKPT_RE.match(e.name)
+        if e.problem == NO_MANIFEST and step and int(step.group(1)) > newest:
+            print(
+                f"resilient-ckpt verify: not checked: {st.url}/{e.name}: {e.problem}: "
+                f"{UPLOADING_OR_CUT}",
+                file=sys.stderr,
+            )
 
 
 def plain_dcp_note(st: RemoteStore, remote: list[RemoteEntry]) -> str:
