@@ -575,3 +575,17 @@ def test_verify_url_names_a_newer_upload_without_its_manifest(tmp_path):
         assert "step_000000010" in r.stdout, r.stdout
         said = f"resilient-ckpt verify: not checked: {url}/step_000000020: no manifest"
         assert said in r.stderr and "an upload in progress" in r.stderr, r.stderr
+
+
+def test_export_force_says_which_earlier_export_it_replaced(tmp_path):
+    """``export DIR OUT --force`` over an earlier export replaced it and said only "exported
+    ... to OUT": what it deleted (the earlier export, of another step perhaps) went unsaid."""
+    root = str(tmp_path / "ck")
+    make_run(root, steps=(10, 20))
+    out = str(tmp_path / "out")
+    first = cli("export", root, out, "--step", "10")
+    assert first.returncode == 0 and "replaced" not in first.stderr, first.stderr
+    again = cli("export", root, out, "--force")
+    assert again.returncode == 0, again.stderr
+    said = f"resilient-ckpt export: --force replaced the earlier export in {out}: step 10 of "
+    assert said in again.stderr and "step_000000010" in again.stderr, again.stderr

@@ -51,6 +51,21 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _earlier_export(out: str) -> str | None:
+    """What the earlier export in ``out`` was (its ``export.json``: step and source), which
+    ``--force`` replaces; None where there is none."""
+    import json
+    import os
+
+    from .export_target import EXPORT_MARKER, is_export
+
+    if not is_export(out):
+        return None
+    with open(os.path.join(out, EXPORT_MARKER), encoding="utf-8") as f:
+        info = json.load(f)
+    return f"step {info['step']} of {info['source']}"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """``export``; a checkpoint that the retention of a run writing to DIR deletes while it is
     read is gone, not broken: without ``--step`` the newest valid one is exported instead (said
@@ -60,9 +75,16 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .errors import CheckpointNotFoundError
 
     had_out = os.path.exists(args.out)
+    earlier = _earlier_export(args.out) if getattr(args, "force", False) else None
     for attempt in range(3):
         try:
-            return _export(args)
+            done = _export(args)
+            if done == 0 and earlier:  # (--force deleted it: said, as gc says what it deletes)
+                print(
+                    f"{PROG} export: --force replaced the earlier export in {args.out}: {earlier}",
+                    file=sys.stderr,
+                )
+            return done
         except FileNotFoundError as e:
             gone = _deleted_checkpoint(args.dir, e.filename)
             if gone is None:
