@@ -91,7 +91,7 @@ def test_a_store_that_holds_nothing_is_said_with_the_command_and_what_to_check(t
     root = str(tmp_path / "ck")
     make_run(root, steps=(10,))
     typo = f"file://{tmp_path}/remotr"
-    for command, extra in (("ls", ()), ("report", ("--output", str(tmp_path / "r.html")))):
+    for command, extra in (("ls", ()), ("report", ("--json", str(tmp_path / "r.json")))):
         r = cli(command, root, "--remote", typo, *extra)
         assert r.returncode == 0, r.stderr
         said = [line for line in r.stderr.splitlines() if "holds no checkpoint" in line]
