@@ -93,7 +93,7 @@ def _say_uploads(st: RemoteStore, remote: list[RemoteEntry], newest: int) -> Non
     manifest (an upload in progress, or one a crash cut off): not checked, as "the newest"
     could read as the store's newest."""
     from .remote import NO_MANIFEST
-    from .remote_objects import REMOTE_CKPT_RE
+    from .remote_claims import REMOTE_CKPT_RE
 
     for e in remote:
         step = REMOTE_CKPT_RE.match(e.name)

@@ -24,7 +24,7 @@ from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundE
 from .lock import DirLock
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .remote import RemoteEntry, RemoteStore
-from .remote_objects import REMOTE_CKPT_RE
+from .remote_claims import REMOTE_CKPT_RE
 
 log = logging.getLogger("resilient_callbacks")
 
