@@ -10,12 +10,12 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import spawn_ranks
 from resilient_callbacks import Checkpointer
 
 WINDOW = 3  # micro-batches per optimizer step
@@ -145,18 +145,16 @@ def train_then_probe(ck_dir, preempt_at, total=60, grace_period=None, first=None
 
 def probe_in_a_child(ck_dir, grace_period):
     """:func:`train_then_probe` preempted at micro-step 8, in a child process (the signal held
-    there until the process ends is re-raised at close: it would end the test run): (its exit
-    code, its stdout, its log)."""
+    there until the process ends is re-raised at close: it would end the test run), forked from
+    the session's zygote (``spawn_ranks.run_python``: torch imported once, not seconds of CPU
+    per child): (its exit code, its stdout, its log)."""
     code = (
         "import json, logging, sys; import test_accumulation_steps as t; "
         "logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
         f"p, i, _ = t.train_then_probe({str(ck_dir)!r}, 8, grace_period={grace_period!r}); "
         "print(json.dumps([p, i]))"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = spawn_ranks.run_python([sys.executable, "-c", code], timeout=300)
     return r.returncode, r.stdout, r.stderr
 
 
@@ -339,10 +337,7 @@ def test_a_save_of_the_step_before_a_window_leaves_the_live_buffers_alone(tmp_pa
         "logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
         f"t.train_bn_then_probe({str(tmp_path / 'ck')!r}, 8, out={str(out)!r})"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = spawn_ranks.run_python([sys.executable, "-c", code], timeout=300)
     assert r.returncode == 0, r.stderr
     assert "saving step 6, the last step before the window" in r.stderr
     got = torch.load(out)
@@ -411,10 +406,7 @@ def test_an_error_before_the_save_of_the_step_before_a_window_puts_the_live_buff
         f"t.train_bn_until_the_preemption_raises({str(tmp_path / 'ck')!r}, {text!r}, "
         f"{str(out)!r})"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    r = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
-    )
+    r = spawn_ranks.run_python([sys.executable, "-c", code], timeout=300)
     assert out.exists(), r.stderr
     got = torch.load(out)
     assert got["step"] >= 8 and text in got["error"]

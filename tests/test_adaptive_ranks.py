@@ -63,7 +63,8 @@ def test_ranks_that_measure_differently_save_the_same_steps(tmp_path):
     import spawn_ranks
 
     argv = [sys.executable, __file__, "worker", str(tmp_path / "ck"), str(tmp_path / "out")]
-    spawn_ranks.run(argv, 2, tmp_path, "adaptive", deadline=120.0)
+    zygote = spawn_ranks.shared_zygote()  # (each rank forked: torch imported once)
+    spawn_ranks.run(argv, 2, tmp_path, "adaptive", deadline=120.0, zygote=zygote)
     r0, r1 = (json.loads((tmp_path / f"out.rank{r}").read_text()) for r in (0, 1))
     assert r0["saved"] == r1["saved"] and len(r0["saved"]) >= 3, (r0, r1)
     assert r0["saved"][0] == 20  # the warm-up save

@@ -49,7 +49,9 @@ def worker(root: str) -> None:
 def two_ranks(tmp_path_factory) -> str:
     work = tmp_path_factory.mktemp("two_ranks")
     root = str(work / "ck")
-    spawn_ranks.run([sys.executable, __file__, "worker", root], 2, work, "save", deadline=120)
+    argv = [sys.executable, __file__, "worker", root]
+    # each rank forked from the session's zygote: torch imported once, not twice per run
+    spawn_ranks.run(argv, 2, work, "save", deadline=120, zygote=spawn_ranks.shared_zygote())
     assert os.path.exists(os.path.join(root, DAMAGED, RANK_FILE))
     return root
 

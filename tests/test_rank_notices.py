@@ -252,7 +252,8 @@ def _count(outputs: list[str], text: str) -> list[int]:
 
 def test_a_plain_checkpointer_on_two_ranks_says_each_notice_once(tmp_path):
     argv = [sys.executable, __file__, "plain-worker", str(tmp_path / "ckpt")]
-    outputs = spawn_ranks.run(argv, 2, tmp_path, "plain", deadline=240).outputs
+    zygote = spawn_ranks.shared_zygote()  # (each rank forked: torch imported once)
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "plain", deadline=240, zygote=zygote).outputs
     shown = "\n".join(f"--- rank {r}:\n{out}" for r, out in enumerate(outputs))
     once = [  # the same on every rank: rank 0 says it
         "skipping checkpoint",  # the fallback from the damaged step 6
@@ -305,7 +306,8 @@ def test_the_other_ranks_log_at_info_what_rank_0_says_once(tmp_path):
     """What rank 0 says once, the other ranks log at INFO: a script that configured logging at
     INFO finds it in every rank's log (docs/distributed.md)."""
     argv = [sys.executable, __file__, "info-worker", str(tmp_path / "ckpt")]
-    outputs = spawn_ranks.run(argv, 2, tmp_path, "info", deadline=240).outputs
+    zygote = spawn_ranks.shared_zygote()  # (each rank forked: torch imported once)
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "info", deadline=240, zygote=zygote).outputs
     shown = "\n".join(outputs)
     for text, on_0 in (  # rank 0: a warning and its WARNING line, or a WARNING line alone
         ("the checkpoint was saved without RNG states", 2),

@@ -104,7 +104,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.timeout(300)]
 
 def test_notices_of_the_state_the_data_and_the_watcher_said_once_a_shards_by_its_rank(tmp_path):
     argv = [sys.executable, __file__, "worker", str(tmp_path / "ckpt")]
-    outputs = spawn_ranks.run(argv, 2, tmp_path, "inputs", deadline=240).outputs
+    zygote = spawn_ranks.shared_zygote()  # (each rank forked: torch imported once)
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "inputs", deadline=240, zygote=zygote).outputs
     shown = "\n".join(f"--- rank {r}:\n{out}" for r, out in enumerate(outputs))
     once = [
         "the state's optimizer(s) step 1 tensor(s) that the state does not hold",

@@ -173,7 +173,8 @@ def _count(outputs: list[str], text: str) -> list[int]:
 
 def test_a_restore_that_fails_on_another_rank_says_no_rng_states_were_replaced(tmp_path):
     argv = [sys.executable, __file__, "replaced-worker", str(tmp_path / "ckpt")]
-    outputs = spawn_ranks.run(argv, 2, tmp_path, "replaced", deadline=240).outputs
+    zygote = spawn_ranks.shared_zygote()  # (each rank forked: torch imported once)
+    outputs = spawn_ranks.run(argv, 2, tmp_path, "replaced", deadline=240, zygote=zygote).outputs
     shown = "\n".join(outputs)
     assert _count(outputs, "RESTORE FAILED") == [1, 1], shown
     assert _count(outputs, "restore failed on rank 1") == [1, 0], shown
