@@ -635,17 +635,3 @@ def test_the_chunk_index_is_gathered_again_only_when_a_rank_layout_changed(tmp_p
     assert any(k.startswith("optim/") for k in saved[2]["tensors"])
     for step in (3, 4, 5):  # the reused index is the one gathered
         assert saved[step]["tensors"] == saved[2]["tensors"]
-
-
-def test_the_core_does_not_import_the_dcp_subpackage():
-    import subprocess
-
-    code = (
-        "import sys, resilient_callbacks\n"
-        "from resilient_callbacks import Checkpointer, checkpointer, session, restoring, saving\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('resilient_callbacks.dcp', "
-        "'torch.distributed.checkpoint'))))"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.strip().splitlines()[-1] == "[]"

@@ -268,18 +268,12 @@ def test_a_mapping_freed_by_the_collector_inside_the_registry_lock_does_not_dead
     traceback held, runs at any allocation, one inside a locked section too. The thread hung
     there for good (found with a KeyboardInterrupt injected into a restore, then restoring
     again)."""
-    import os
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    try:
-        out = subprocess.run(
-            [sys.executable, "-c", _COLLECTED_INSIDE],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    import spawn_ranks
+
+    try:  # a process of its own, forked from the session's zygote (torch imported once)
+        out = spawn_ranks.run_python([sys.executable, "-c", _COLLECTED_INSIDE], timeout=120)
     except subprocess.TimeoutExpired:
         pytest.fail("is_mapped() deadlocked when the collector freed a mapping inside its lock")
     assert out.returncode == 0, out.stderr

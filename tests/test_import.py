@@ -48,15 +48,23 @@ _PROBE = r"""
 import json, sys
 import resilient_callbacks
 from resilient_callbacks import Checkpointer, ResumableSampler
+from resilient_callbacks import checkpointer, session, restoring, saving
 for m in %(core)r:
     __import__("resilient_callbacks." + m)
 print(json.dumps({
     "loaded": sorted(m for m in sys.modules if m.split(".")[0] in %(fw)r),
+    "dcp": sorted(
+        m for m in sys.modules
+        if m.startswith(("resilient_callbacks.dcp", "torch.distributed.checkpoint"))
+    ),
 }))
 """
 
 
 def _run(tmp_path, with_fakes: bool) -> dict:
+    """The modules a fresh interpreter loaded by importing the core (``loaded``: of the
+    frameworks; ``dcp``: of the DCP subpackage and torch's DCP); ``with_fakes``: importable
+    fake frameworks first on its path."""
     env = dict(os.environ)
     if with_fakes:
         # Fake, importable frameworks: if the package imported any of them (even inside a
@@ -79,9 +87,19 @@ def _run(tmp_path, with_fakes: bool) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def test_import_does_not_load_frameworks(tmp_path):
-    out = _run(tmp_path, with_fakes=False)
-    assert out["loaded"] == []
+@pytest.fixture(scope="module")
+def plain_import(tmp_path_factory) -> dict:
+    """:func:`_run` without fakes, once for the tests below (a fresh interpreter that imports
+    torch: seconds of CPU each)."""
+    return _run(tmp_path_factory.mktemp("plain_import"), with_fakes=False)
+
+
+def test_import_does_not_load_frameworks(plain_import):
+    assert plain_import["loaded"] == []
+
+
+def test_the_core_does_not_import_the_dcp_subpackage(plain_import):
+    assert plain_import["dcp"] == []
 
 
 def test_import_does_not_load_frameworks_even_when_installed(tmp_path):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import spawn_ranks
+
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 # SIGTERM at the call of the function named by argv[2], once: inside Checkpointer() (while it
@@ -44,13 +46,20 @@ print("finished", flush=True)
 """
 
 
-def _run(tmp_path: Path, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, code: str, *args: str, fresh: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """``code`` run as a script with ``args``: forked from the session's zygote (torch imported
+    once: ``spawn_ranks.run_python``), a process of its own that ends as the interpreter
+    would; ``fresh``: a fresh interpreter, for a claim about what the interpreter's own exit
+    does (the zygote's child runs the ``atexit`` functions itself, then ``os._exit``)."""
     script = tmp_path / "child.py"
     script.write_text(code)
+    argv = [sys.executable, str(script), *args]
+    if not fresh:
+        return spawn_ranks.run_python(argv, timeout=180)
     env = dict(os.environ, PYTHONPATH=SRC)
-    return subprocess.run(
-        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=180, env=env
-    )
+    return subprocess.run(argv, capture_output=True, text=True, timeout=180, env=env)
 
 
 @pytest.mark.parametrize("where", ["open_directory", "restore"])
@@ -122,7 +131,7 @@ def test_a_failed_background_save_is_not_hidden_by_a_signal_after_the_last_step(
     error. The error now ends the process (exit 1, traceback shown) and a warning names the
     signal. At the interpreter's exit, where nothing can raise it, the error is logged and the
     process exits 75 (the newest committed checkpoint is intact)."""
-    r = _run(tmp_path, _FAILED_SAVE_THEN_SIGNAL, str(tmp_path / "ck"), end)
+    r = _run(tmp_path, _FAILED_SAVE_THEN_SIGNAL, str(tmp_path / "ck"), end, fresh=end == "at exit")
     assert ("survived" in r.stdout) == (end == "at exit")  # (the script ran to its end)
     said = r.stderr
     if end == "at exit":
