@@ -113,14 +113,18 @@ def test_metric_names_follow_prometheus_conventions():
             assert "_bytes" in m.name, m.name
 
 
-def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path):
+def test_prometheus_exporter_scraped_during_a_plain_loop(tmp_path: Path, monkeypatch):
+    from resilient_callbacks import recorder
+
+    # the derived values refreshed at every step() (else at most once a second: the test
+    # slept past that interval before each scrape)
+    monkeypatch.setattr(recorder, "REFRESH_S", 0.0)
     state = _state()
     scrapes: list[dict] = []
 
     def during(step: int) -> None:
         if step in (12, 30):  # mid-run, after saves were committed
             ck.flush()  # step 30's background save: counted once it commits
-            time.sleep(1.2)  # past the exporter's refresh of the derived values
             ck.step(step, state)  # (already saved: a no-op that refreshes)
             scrapes.append(wait_scrape(port))
             assert scrape_openmetrics(port)  # valid: no two families of one name
