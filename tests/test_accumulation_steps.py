@@ -143,18 +143,27 @@ def train_then_probe(ck_dir, preempt_at, total=60, grace_period=None, first=None
         return ck.preempted, i, {k: v.clone() for k, v in model.state_dict().items()}
 
 
+def _run_child(code: str):
+    """``code`` run in a child process forked from the session's zygote
+    (``spawn_ranks.run_python``: torch imported once, not seconds of CPU per child), with this
+    process's number of torch threads (the zygote's is 1): the same arithmetic, bit for bit, as
+    the runs in this process it is compared with (with 1 thread BatchNorm's statistics differed
+    in their last bits)."""
+    threads = f"import torch; torch.set_num_threads({torch.get_num_threads()}); "
+    return spawn_ranks.run_python([sys.executable, "-c", threads + code], timeout=300)
+
+
 def probe_in_a_child(ck_dir, grace_period):
     """:func:`train_then_probe` preempted at micro-step 8, in a child process (the signal held
-    there until the process ends is re-raised at close: it would end the test run), forked from
-    the session's zygote (``spawn_ranks.run_python``: torch imported once, not seconds of CPU
-    per child): (its exit code, its stdout, its log)."""
+    there until the process ends is re-raised at close: it would end the test run; see
+    :func:`_run_child`): (its exit code, its stdout, its log)."""
     code = (
         "import json, logging, sys; import test_accumulation_steps as t; "
         "logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
         f"p, i, _ = t.train_then_probe({str(ck_dir)!r}, 8, grace_period={grace_period!r}); "
         "print(json.dumps([p, i]))"
     )
-    r = spawn_ranks.run_python([sys.executable, "-c", code], timeout=300)
+    r = _run_child(code)
     return r.returncode, r.stdout, r.stderr
 
 
@@ -337,7 +346,7 @@ def test_a_save_of_the_step_before_a_window_leaves_the_live_buffers_alone(tmp_pa
         "logging.basicConfig(level=logging.WARNING, stream=sys.stderr); "
         f"t.train_bn_then_probe({str(tmp_path / 'ck')!r}, 8, out={str(out)!r})"
     )
-    r = spawn_ranks.run_python([sys.executable, "-c", code], timeout=300)
+    r = _run_child(code)
     assert r.returncode == 0, r.stderr
     assert "saving step 6, the last step before the window" in r.stderr
     got = torch.load(out)
@@ -406,7 +415,7 @@ def test_an_error_before_the_save_of_the_step_before_a_window_puts_the_live_buff
         f"t.train_bn_until_the_preemption_raises({str(tmp_path / 'ck')!r}, {text!r}, "
         f"{str(out)!r})"
     )
-    r = spawn_ranks.run_python([sys.executable, "-c", code], timeout=300)
+    r = _run_child(code)
     assert out.exists(), r.stderr
     got = torch.load(out)
     assert got["step"] >= 8 and text in got["error"]
