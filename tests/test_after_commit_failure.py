@@ -228,7 +228,7 @@ def test_an_upload_not_queued_says_the_push_that_uploads_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ):
     """Queueing the upload after a commit fails: the commit returns (it raised), and the
-    ERROR says that the checkpoint is valid, that its upload may not be queued, and the
+    ERROR says that the checkpoint is valid, that its upload is not queued, and the
     ``resilient-ckpt push`` that uploads it."""
     root, remote = tmp_path / "ck", tmp_path / "remote"
     root.mkdir()
@@ -240,7 +240,7 @@ def test_an_upload_not_queued_says_the_push_that_uploads_it(
     said = _errors(caplog, AFTER)
     assert len(said) == 1 and said[0] == session.after_error, said
     assert "RuntimeError: the upload queue refused step_000000001" in said[0], said
-    assert f"its upload to file://{remote} may not be queued" in said[0], said
+    assert f"its upload to file://{remote} is not queued" in said[0], said
     assert f"`resilient-ckpt push {root} file://{remote}` uploads it" in said[0], said
 
 
@@ -269,3 +269,41 @@ def test_a_checkpointer_says_its_own_first_failure_after_another_said_the_same(
             said = [m for m in _errors(caplog, AFTER) if m.startswith("checkpoint for step")]
             assert len(said) == n, said  # (before close() says it again)
             assert said[-1].startswith(f"checkpoint for step {step} was committed ("), said
+
+
+def test_an_upload_held_by_remote_every_n_saves_is_not_said_unqueued(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, honoured: None
+):
+    """``remote_every_n_saves=2``: the checkpoint of step 3 (commit 3) is not due for upload,
+    held on purpose; its retention pass fails (the directory cannot be listed). The ERROR said
+    "its upload to URL may not be queued (`resilient-ckpt push ...` uploads it)": the session
+    could not tell an upload held from one whose queueing failed, and a user pushed for
+    nothing. Now the upload is named only where its queueing failed (the test above)."""
+    root, remote = tmp_path / "ck", tmp_path / "remote"
+    state = {"w": torch.zeros(10)}
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(
+        root,
+        keep_last=1,
+        async_save=False,
+        preemption=False,
+        remote=f"file://{remote}",
+        remote_every_n_saves=2,
+    ) as ck:
+        ck.save(1, state)
+        ck.save(2, state)  # (commit 2: uploaded)
+        ck.flush()
+        if not permissions.unlistable(root):
+            pytest.skip("this process lists a directory it has no read permission on")
+        try:
+            assert ck.save(3, state) is True  # (commit 3: held, not due)
+        finally:
+            os.chmod(root, 0o755)
+        error = ck.after_commit_error
+        assert error is not None and error.startswith("checkpoint for step 3 was committed ("), (
+            error
+        )
+        assert "rank 0's work after the commit failed: PermissionError" in error, error
+        assert "its upload" not in error and "resilient-ckpt push" not in error, error
+    said = [m for m in _errors(caplog, AFTER) if m.startswith("checkpoint for step 3")]
+    assert said and all("resilient-ckpt push" not in m for m in said), said

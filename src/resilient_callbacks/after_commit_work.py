@@ -12,8 +12,10 @@ Checkpointer: the DCP storage writer) the failure
   save, and at the next save or ``flush()`` after a background one, and stopped the run);
 - is said as one ERROR by the process that did the work (rank 0; in node-local mode the node's
   leader): the checkpoint is committed and valid, what failed, what is kept or not done (the
-  old checkpoints stay until the next retention pass; an upload not queued, with the
-  ``resilient-ckpt push`` that uploads it). A failure that persists (the same reason at each
+  old checkpoints stay until the next retention pass; an upload whose queueing failed
+  (:class:`UploadNotQueued`), with the ``resilient-ckpt push`` that uploads it, or in
+  node-local mode what uploads that node's part; an upload queued, or held on purpose by
+  ``remote_every_n_saves``, is not named: nothing is wrong with it). A failure that persists (the same reason at each
   save) is said once, again when its reason changes, and every
   :data:`~.repeats.REMIND_EVERY`-th time in a row (:mod:`.repeats`);
 - is counted (the metric ``after_commit_failures_total``, every rank that learns of it) and
@@ -44,6 +46,13 @@ log = logging.getLogger("resilient_callbacks")
 SAID = Repeats()
 
 
+class UploadNotQueued(Exception):
+    """Queueing the upload of a committed checkpoint failed (``__cause__``: how). Raised from
+    that failure by the work after the commit, so that :func:`failed` says the upload is not
+    queued where, and only where, that is so: the process that ran the queueing knows it (an
+    upload held by ``remote_every_n_saves``, or queued and maybe uploaded already, is fine)."""
+
+
 def failed(
     key: str,
     e: BaseException,
@@ -56,22 +65,31 @@ def failed(
 ) -> str:
     """The work after the commit of ``step`` (at ``path``) by ``who`` ("rank 0", "node 1")
     raised ``e``: say it (an ERROR, once while it persists for the same reason: ``key``, the
-    directory, in ``said``, else :data:`SAID`) and return its message. ``sync``: the uploader
-    (``store.url``, ``store.options``) whose queue may not hold the checkpoint, if any, of
-    ``dirpath``."""
-    upload = (
-        f"; its upload to {url_text(sync.store.url)} may not be queued "
-        f"({push_command(dirpath, sync.store.url, sync.store.options)} uploads it)"
-        if sync is not None
-        else ""
-    )
+    directory, in ``said``, else :data:`SAID`) and return its message. ``e`` an
+    :class:`UploadNotQueued`: the upload is named, with what uploads it: ``sync``, the uploader
+    (``store.url``, ``store.options``) of ``dirpath``; in node-local mode (``who`` a node) its
+    part's uploader, whose directory ``resilient-ckpt push`` refuses."""
+    cause = e.__cause__ if isinstance(e, UploadNotQueued) and e.__cause__ is not None else e
+    upload = ""
+    if isinstance(e, UploadNotQueued):
+        url = url_text(sync.store.url) if sync is not None else "the remote tier"
+        if who.startswith("node"):
+            upload = (
+                f"; {who}'s part of it is not queued for upload to {url}, so the remote store "
+                f"does not commit this checkpoint (`resilient-ckpt push` refuses a node's "
+                f"directory: a restart of the job with the same directories before the run's "
+                f"next remote commit queues it again); the next saves are uploaded as usual"
+            )
+        elif sync is not None:
+            command = push_command(dirpath, sync.store.url, sync.store.options)
+            upload = f"; its upload to {url} is not queued ({command} uploads it)"
     message = (
         f"checkpoint for step {step} was committed ({path}): it is valid and a restore takes "
-        f"it; then {who}'s work after the commit failed: {type(e).__name__}: {e}. Older "
-        f"checkpoints that retention would delete are kept until the next retention "
+        f"it; then {who}'s work after the commit failed: {type(cause).__name__}: {cause}. "
+        f"Older checkpoints that retention would delete are kept until the next retention "
         f"pass{upload}. Training goes on."
     )
-    n = (SAID if said is None else said).due(key, reason(e))
+    n = (SAID if said is None else said).due(key, reason(cause))
     if n is None:  # said before, for this reason: each save tries again, quietly
         log.debug("%s (again)", message)
     else:

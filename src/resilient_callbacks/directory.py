@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, history
+from .after_commit_work import UploadNotQueued
 from .blobs import BlobStore
 from .branches import Tip
 from .catalog import Depth, Entry, Status
@@ -246,7 +247,9 @@ class Directory:
 
     def after_commit(self, committed: Committed) -> None:
         """Coordinator, once a checkpoint is committed: number it, queue its upload, apply
-        retention (never to the checkpoint just committed)."""
+        retention (never to the checkpoint just committed). Queueing that fails raises
+        :class:`~.after_commit_work.UploadNotQueued` from its failure (the message names the
+        upload then only: one held by ``remote_every_n_saves`` is not wrong)."""
         self.committed(committed.seq)
         name = os.path.basename(committed.path)
         due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
@@ -254,7 +257,10 @@ class Directory:
             sync = self.sync
             self.hold_upload(committed.step, None if due else lambda: sync.enqueue(name))
             if due:
-                sync.enqueue(name)
+                try:
+                    sync.enqueue(name)
+                except Exception as e:
+                    raise UploadNotQueued(name) from e
         self.apply_retention(protect=name)
 
     def committed(self, seq: int) -> None:

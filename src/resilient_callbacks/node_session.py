@@ -311,7 +311,8 @@ class NodeLocalSession:
         collective)."""
         d = self.d
         name = os.path.basename(local_path)
-        key, error = f"{d.dirpath} node {self.topo.node}", None
+        key = f"{d.dirpath} node {self.topo.node}"
+        error: Exception | None = None
         try:
             if d.uploader is not None:
                 uploader, ukey, remote_name = d.uploader, (self.run_id, self.seq), self.name
@@ -325,8 +326,9 @@ class NodeLocalSession:
                     upload()
                 else:
                     d.hold_upload(self.step, upload)
-        except Exception as e:
-            error = e
+        except Exception as e:  # (the message says the upload is not queued: it raised)
+            error = after_commit_work.UploadNotQueued(name)
+            error.__cause__ = e
         if d.config.replicas:  # (every leader, whatever failed: its peers' ends wait for it)
             self._replicate(local_path)  # (says its own failures)
         try:
@@ -338,7 +340,7 @@ class NodeLocalSession:
         else:
             where, who = f"{local_path}, on every node", f"node {self.topo.node}"
             self.after_error = after_commit_work.failed(
-                key, error, self.step, where, who, said=d.said
+                key, error, self.step, where, who, d.uploader, said=d.said
             )
 
     def _replicate(self, local_path: str) -> None:

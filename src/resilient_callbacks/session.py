@@ -345,12 +345,9 @@ class CommitSession:
         self.done = done
         try:
             self.after_commit(done)
-        except Exception as e:
-            sync = self.sync  # (named only where the upload may not be queued: not pending)
-            if sync is not None and os.path.basename(done.path) in sync.pending():
-                sync = None
+        except Exception as e:  # (the upload is named where its queueing failed only)
             return after_commit_work.failed(
-                self.dirpath, e, self.step, done.path, "rank 0", sync, self.dirpath, self.said
+                self.dirpath, e, self.step, done.path, "rank 0", self.sync, self.dirpath, self.said
             )
         after_commit_work.succeeded(self.dirpath, self.said)
         return None
@@ -460,7 +457,10 @@ class CommitSession:
     def _default_after_commit(self, committed: Committed) -> None:
         name = os.path.basename(committed.path)
         if self.sync is not None:
-            self.sync.enqueue(name)
+            try:
+                self.sync.enqueue(name)
+            except Exception as e:
+                raise after_commit_work.UploadNotQueued(name) from e
         if self.retention is not None:
             protected = {name, *(self.sync.pending() if self.sync is not None else ())}
             # (a folder it cannot delete is said once, not at every session's pass)
