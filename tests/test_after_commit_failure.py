@@ -240,8 +240,8 @@ def test_an_upload_not_queued_says_the_push_that_uploads_it(
     said = _errors(caplog, AFTER)
     assert len(said) == 1 and said[0] == session.after_error, said
     assert "RuntimeError: the upload queue refused step_000000001" in said[0], said
-    assert f"its upload to file://{remote} is not queued" in said[0], said
-    assert f"`resilient-ckpt push {root} file://{remote}` uploads it" in said[0], said
+    assert f"Its upload to file://{remote} is not queued: `resilient-ckpt push {root} " in said[0]
+    assert f" file://{remote}` uploads it." in said[0], said
 
 
 def test_a_checkpointer_says_its_own_first_failure_after_another_said_the_same(

@@ -1052,6 +1052,17 @@ def worker(base: str, argv: list[str]) -> None:
             return real_retention_pass(protect, policy)
 
         ck._dir.apply_retention = retention_fails
+    if os.environ.get("RC_QUEUE_FAILS_AT"):  # "<node>:<step>": its upload queue refuses it
+        node_text, step_text = os.environ["RC_QUEUE_FAILS_AT"].split(":")
+        uploader_refusing = ck._dir.uploader  # type: ignore[union-attr]
+        real_enqueue, refused = uploader_refusing.enqueue, f"step_{int(step_text):09d}"
+
+        def enqueue_refusing(local_name, *args, **kw):
+            if node == int(node_text) and local_name == refused:
+                raise RuntimeError(f"the upload queue refused {local_name}")
+            return real_enqueue(local_name, *args, **kw)
+
+        uploader_refusing.enqueue = enqueue_refusing
     if os.environ.get("RC_RETENTION_DENIED") == str(node):  # every pass after an upload, close's
         real_pass = ck._dir.apply_retention
 
@@ -1217,6 +1228,8 @@ def worker(base: str, argv: list[str]) -> None:
         sys.exit(5)
     if os.environ.get("RC_RETENTION_FAILS_AT") or os.environ.get("RC_RETENTION_DENIED"):
         out(committed_saves=ck.committed_saves)
+    if os.environ.get("RC_QUEUE_FAILS_AT"):
+        out(committed_saves=ck.committed_saves, after_error=ck.after_commit_error)
     if os.environ.get("RC_CAPTURE_LOG"):
         out(event="closed", log=logged.getvalue())
     else:

@@ -12,6 +12,7 @@ import shutil
 
 import pytest
 
+from resilient_callbacks import catalog
 from resilient_callbacks.remote import RemoteStore
 from test_nodelocal_failures import _run
 
@@ -241,3 +242,34 @@ def test_a_retention_that_fails_after_an_upload_or_at_close_is_an_error_close_co
     trash = next((tmp_path / "node1").glob(".trash-step_000000004-*"))
     assert f"ERROR retention: could not delete {trash} completely" in one, one
     assert f"rm -r {trash}" in one, one
+
+
+@pytest.mark.slow
+def test_a_nodes_upload_not_queued_is_said_with_what_becomes_of_it(tmp_path):
+    """Node 1's upload queue refuses its part of step 2 after the commit (every save is
+    uploaded); its retention pass succeeds. The ERROR said only retention's words ("Older
+    checkpoints ... are kept until the next retention pass", not so: the pass ran), not that
+    node 1's part is not uploaded, so the remote store never commits that checkpoint. Now it
+    says so, that `resilient-ckpt push` cannot upload a node's part, and that the next saves
+    are uploaded as usual, as they are: step 4 is committed remotely and close() completes."""
+    out = _run(
+        tmp_path, "run", 2, "--steps", "4", RC_KEEP_LAST=1, RC_QUEUE_FAILS_AT="1:2",
+        RC_CAPTURE_LOG=1, RC_OUTAGE_S=30,
+    )  # fmt: skip
+    assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
+    assert [rank[-2]["committed_saves"] for rank in out] == [2, 2], out
+    said = out[1][-1]["log"]
+    assert said.count("work after the commit failed") == 1, said
+    assert "checkpoint for step 2 was committed (" in said, said
+    assert "node 1's work after the commit failed: RuntimeError: the upload queue refused" in said
+    assert (
+        "Node 1's part of it is not queued for upload to file://" in said
+        and "so this checkpoint is not committed remotely (`resilient-ckpt push` refuses a "
+        "node's directory"
+        in said
+        and "the next saves are uploaded and committed remotely as usual." in said
+    ), said
+    assert "kept until the next retention pass" not in said, said
+    assert "after the commit" not in out[0][-1]["log"]  # (node 0 did its part)
+    committed = [e.step for e in catalog.committed(catalog.scan(str(tmp_path / "remote")))]
+    assert committed == [4], committed

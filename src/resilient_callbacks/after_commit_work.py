@@ -62,32 +62,39 @@ def failed(
     sync: Any = None,
     dirpath: str = "",
     said: Repeats | None = None,
+    retained: bool = False,
 ) -> str:
     """The work after the commit of ``step`` (at ``path``) by ``who`` ("rank 0", "node 1")
     raised ``e``: say it (an ERROR, once while it persists for the same reason: ``key``, the
     directory, in ``said``, else :data:`SAID`) and return its message. ``e`` an
     :class:`UploadNotQueued`: the upload is named, with what uploads it: ``sync``, the uploader
     (``store.url``, ``store.options``) of ``dirpath``; in node-local mode (``who`` a node) its
-    part's uploader, whose directory ``resilient-ckpt push`` refuses."""
+    part's uploader, whose directory ``resilient-ckpt push`` refuses. ``retained``: the
+    retention pass ran all the same (node-local mode), so nothing is kept for it."""
     cause = e.__cause__ if isinstance(e, UploadNotQueued) and e.__cause__ is not None else e
-    upload = ""
+    said_next = (
+        []
+        if retained
+        else [
+            "Older checkpoints that retention would delete are kept until the next retention pass."
+        ]
+    )
     if isinstance(e, UploadNotQueued):
         url = url_text(sync.store.url) if sync is not None else "the remote tier"
         if who.startswith("node"):
-            upload = (
-                f"; {who}'s part of it is not queued for upload to {url}, so the remote store "
-                f"does not commit this checkpoint (`resilient-ckpt push` refuses a node's "
-                f"directory: a restart of the job with the same directories before the run's "
-                f"next remote commit queues it again); the next saves are uploaded as usual"
+            said_next.append(
+                f"{who[0].upper()}{who[1:]}'s part of it is not queued for upload to {url}, so "
+                f"this checkpoint is not committed remotely (`resilient-ckpt push` refuses a "
+                f"node's directory: the run commits its checkpoints remotely itself); the next "
+                f"saves are uploaded and committed remotely as usual."
             )
         elif sync is not None:
             command = push_command(dirpath, sync.store.url, sync.store.options)
-            upload = f"; its upload to {url} is not queued ({command} uploads it)"
+            said_next.append(f"Its upload to {url} is not queued: {command} uploads it.")
     message = (
         f"checkpoint for step {step} was committed ({path}): it is valid and a restore takes "
         f"it; then {who}'s work after the commit failed: {type(cause).__name__}: {cause}. "
-        f"Older checkpoints that retention would delete are kept until the next retention "
-        f"pass{upload}. Training goes on."
+        + " ".join([*said_next, "Training goes on."])
     )
     n = (SAID if said is None else said).due(key, reason(cause))
     if n is None:  # said before, for this reason: each save tries again, quietly

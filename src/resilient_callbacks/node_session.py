@@ -331,16 +331,17 @@ class NodeLocalSession:
             error.__cause__ = e
         if d.config.replicas:  # (every leader, whatever failed: its peers' ends wait for it)
             self._replicate(local_path)  # (says its own failures)
+        retained = True
         try:
             d.apply_retention(protect=name)
         except Exception as e:
-            error = error or e
+            error, retained = error or e, False
         if error is None:
             after_commit_work.succeeded(key, d.said)
         else:
             where, who = f"{local_path}, on every node", f"node {self.topo.node}"
             self.after_error = after_commit_work.failed(
-                key, error, self.step, where, who, d.uploader, said=d.said
+                key, error, self.step, where, who, d.uploader, said=d.said, retained=retained
             )
 
     def _replicate(self, local_path: str) -> None:
