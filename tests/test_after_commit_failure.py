@@ -307,3 +307,32 @@ def test_an_upload_held_by_remote_every_n_saves_is_not_said_unqueued(
         assert "its upload" not in error and "resilient-ckpt push" not in error, error
     said = [m for m in _errors(caplog, AFTER) if m.startswith("checkpoint for step 3")]
     assert said and all("resilient-ckpt push" not in m for m in said), said
+
+
+def test_a_checkpointers_upload_not_queued_says_the_push_that_uploads_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A Checkpointer's uploader refuses the checkpoint of step 2 (the store real, the refusal
+    made up): the save returns as committed, and the ERROR says that its upload is not queued
+    and the push that uploads it (the uploader raised: Directory.after_commit knows it)."""
+    root, remote = tmp_path / "ck", tmp_path / "remote"
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(root, async_save=False, preemption=False, remote=f"file://{remote}") as ck:
+        ck.save(1, {"w": torch.zeros(3)})
+        sync = ck._dir.sync
+        assert sync is not None
+        real_enqueue = sync.enqueue
+
+        def refusing(name: str) -> None:
+            if name == "step_000000002":
+                raise RuntimeError(f"the upload queue refused {name}")
+            real_enqueue(name)
+
+        sync.enqueue = refusing  # type: ignore[method-assign]
+        assert ck.save(2, {"w": torch.ones(3)}) is True
+        error = ck.after_commit_error
+        assert error is not None, error
+        assert "RuntimeError: the upload queue refused step_000000002" in error, error
+        assert f"Its upload to file://{remote} is not queued: `resilient-ckpt push" in error
+    said = [m for m in _errors(caplog, AFTER) if m.startswith("checkpoint for step 2")]
+    assert said, said
