@@ -12,7 +12,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, stall
+from . import catalog, dist, history, stall
 from .blobs import key_of
 from .candidates import Candidate
 from .catalog import Status
@@ -100,6 +100,16 @@ def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> s
     return final
 
 
+def uploaded_at(root: str, run_id: str | None) -> dict[str, float]:
+    """The local names of run ``run_id``'s checkpoints whose upload the history of ``root``
+    records, with the time of the newest record of each."""
+    out: dict[str, float] = {}
+    for r in history.records(root, ("upload",)):
+        if r.get("run_id") == run_id and isinstance(name := r.get("name"), str):
+            out[name] = max(out.get(name, -1.0), float(r.get("time") or 0.0))
+    return out
+
+
 def reconcile_uploads(ck: Checkpointer) -> None:
     """Coordinator, after a restore: queue this run's local checkpoints whose upload a crash
     interrupted, if the remote retention policy would keep them."""
@@ -130,17 +140,22 @@ def reconcile_uploads(ck: Checkpointer) -> None:
     cands = mine + retention_candidates(remote_entries, prefix="\0remote/")
     keep = plan(cands, d.sync.policy, d.run_id).keep
     missing = [e.name for e in local if e.name in keep]
-    # One writer uploads in commit order and never skips an archive point (sync._coalesce):
-    # a kept one older than a commit of this run the remote holds was uploaded, then deleted
-    # there on purpose (`gc --remote URL --drop-archives` without this directory): not again
+    # One the history records as uploaded, older than a commit of this run the remote holds,
+    # was deleted there on purpose since (`gc --remote URL --drop-archives` without this
+    # directory): not again. Never uploaded (not due under an earlier remote_every_n_saves,
+    # skipped by sync._coalesce under an earlier keep_last): uploaded now, as it never was
     later = max(
         (m.seq for e in remote_entries if (m := e.manifest) and m.run_id == d.run_id), default=0
     )
     held = {e.key for e in remote_entries}  # (a copy there that differs: not deleted)
+    sent = uploaded_at(ck.dirpath, d.run_id) if missing else {}
     dropped = [
         n
         for n in missing
-        if (m := by_name[n]) is not None and m.seq < later and (m.run_id, m.seq) not in held
+        if (m := by_name[n]) is not None
+        and m.seq < later
+        and (m.run_id, m.seq) not in held
+        and sent.get(n, -1.0) >= m.created  # (not an upload of an earlier folder of that name)
     ]
     if dropped:
         log.info(
