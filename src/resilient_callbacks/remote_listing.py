@@ -91,6 +91,10 @@ def scan_with_blobs(st: RemoteStore) -> tuple[list[RemoteEntry], dict[str, int]]
         # (a local folder answers or raises; only a store a client talks to is waited for)
         with store_wait.waiting(f"listing {st.url}", quiet=st.is_local):
             listing = st.fs.find(st.root, detail=True)
+        if not listing and not st.is_local:
+            # fsspec's walk (http://, where find is its) takes a listing that raised for
+            # none: a store that did not answer read as an empty one ("no checkpoints")
+            st.fs.ls(st.root, detail=False)
     except FileNotFoundError as e:
         check_bucket(st, e)
         return [], {}
