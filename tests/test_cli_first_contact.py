@@ -589,3 +589,36 @@ def test_export_force_says_which_earlier_export_it_replaced(tmp_path):
     assert again.returncode == 0, again.stderr
     said = f"resilient-ckpt export: --force replaced the earlier export in {out}: step 10 of "
     assert said in again.stderr and "step_000000010" in again.stderr, again.stderr
+
+
+def test_verify_of_an_http_store_that_does_not_answer_says_so_not_that_it_is_empty(tmp_path):
+    """fsspec's HTTP listing (its walk) takes a listing that raised for an empty one:
+    ``verify http://127.0.0.1:PORT/run1`` of a closed port said "no checkpoints in URL", as of
+    an empty store. It now says the store did not answer and what to check."""
+    pytest.importorskip("aiohttp")
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nobody listens there: connection refused
+    url = f"http://127.0.0.1:{port}/run1"
+    for args in (("verify", url), ("pull", url, str(tmp_path / "pulled"))):
+        r = cli(*args)
+        assert r.returncode == 1, r.stdout
+        assert "no checkpoint" not in r.stderr, r.stderr
+        assert "the store did not answer: check that it is up and reachable" in r.stderr, r.stderr
+
+
+def test_verify_names_a_folder_named_for_another_step_than_its_manifest(tmp_path):
+    """A checkpoint folder renamed by hand (``step_3`` whose manifest says step 2): ``verify``
+    said "ok step 2 step_000000003" and nothing more, while ``--step 3`` finds no such step and
+    a restore takes it as step 2. It is now named on stderr with the name it should have."""
+    root = tmp_path / "ck"
+    make_run(str(root), steps=(1, 2))
+    os.rename(root / "step_000000002", root / "step_000000003")
+    for args in ((), ("--all",), ("--step", "2")):
+        r = cli("verify", str(root), *args)
+        assert r.returncode == 0, r.stdout + r.stderr
+        said = f"{root / 'step_000000003'} is named for step 3, but its manifest says step 2"
+        assert said in r.stderr and "rename it to step_000000002" in r.stderr, r.stderr
+    r = cli("verify", str(root), "--step", "1")
+    assert r.returncode == 0 and "named for" not in r.stderr, r.stderr

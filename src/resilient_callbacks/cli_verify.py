@@ -19,6 +19,7 @@ from .cli_scan import (
     scan,
     without_manifest,
 )
+from .commit import CKPT_RE, ckpt_name
 from .errors import CheckpointNotFoundError
 from .reader import by_commit, check, find, unordered
 from .redact import command
@@ -104,6 +105,7 @@ def _report_verified(
 ) -> int:
     rows = [row(e, Depth.FULL) for e in chosen]
     status = report_verified(args, target.root, scope, rows, len(committed))
+    _say_misnamed(chosen)
     if status and scope != "newest" and not args.json:
         from .blob_damage import damage_note
 
@@ -129,6 +131,23 @@ def _report_verified(
             file=sys.stderr,
         )
     return status
+
+
+def _say_misnamed(chosen: list[Entry]) -> None:
+    """Name on stderr a checkpoint whose folder is named for another step than its manifest
+    says (renamed or copied by hand: no save names one so): ``--step``, a restore and
+    retention go by the manifest's. Its checksums decide the exit status, as for any."""
+    for e in chosen:
+        named = CKPT_RE.match(e.name)
+        if e.manifest is not None and named and int(named.group(1)) != e.manifest.step:
+            print(
+                f"resilient-ckpt verify: {e.path} is named for step {int(named.group(1))}, "
+                f"but its manifest says step {e.manifest.step} (renamed or copied by hand: no "
+                f"save names a folder so); --step, a restore and retention take it as step "
+                f"{e.manifest.step}: rename it to {ckpt_name(e.manifest.step)} to have its name "
+                "say so",
+                file=sys.stderr,
+            )
 
 
 def _bad_blob(chosen: list[Entry]) -> str | None:
