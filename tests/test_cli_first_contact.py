@@ -436,6 +436,8 @@ def test_pull_says_which_newer_remote_checkpoints_it_passed_over(tmp_path):
     with open(remote / "step_000000020" / "shared.safetensors", "r+b") as f:
         f.truncate(10)  # torn: its size no longer the manifest's
     os.unlink(remote / "step_000000030" / "manifest.json")  # an upload without its manifest
+    (remote / "step_000000005").mkdir()  # an older upload a crash cut off: passed over by none
+    (remote / "step_000000005" / "shared.safetensors").write_bytes(b"cut")
     r = cli("pull", url, str(tmp_path / "pulled"))
     assert r.returncode == 0, r.stderr
     assert "pulled" in r.stdout and "(step 10," in r.stdout, r.stdout
@@ -450,6 +452,7 @@ def test_pull_says_which_newer_remote_checkpoints_it_passed_over(tmp_path):
         and "no manifest" in line
         for line in said
     ), said
+    assert "step_000000005" not in r.stderr, r.stderr
     again = cli("pull", url, str(tmp_path / "pulled2"), "--step", "10")  # (asked for: no note)
     assert again.returncode == 0 and "passed over" not in again.stderr, again.stderr
 

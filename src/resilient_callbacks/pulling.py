@@ -52,7 +52,14 @@ def usable(
         raise CheckpointNotFoundError(f"{what} in {st.url}{bad}")
     if passed is not None and step is None:  # (committed by commit order, then the rest)
         after = listed[next(i for i, e in enumerate(listed) if e is good[-1]) + 1 :]
-        passed += [e for e in after if e.problem is not None and REMOTE_CKPT_RE.match(e.name)]
+        top = good[-1].manifest.step if good[-1].manifest is not None else 0
+        passed += [  # (one without a manifest of an older step: not passed over, as verify's)
+            e
+            for e in after
+            if e.problem is not None
+            and (named := REMOTE_CKPT_RE.match(e.name))
+            and (e.manifest is not None or int(named.group(1)) > top)
+        ]
     return good
 
 
