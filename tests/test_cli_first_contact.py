@@ -513,7 +513,7 @@ def test_a_transfer_without_a_terminal_says_its_progress(tmp_path, monkeypatch):
 
     from resilient_callbacks import progress
 
-    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0, raising=False)
+    monkeypatch.setattr(progress, "LOG_EVERY_S", 0.0)  # (every update: no clock waited on)
     root = str(tmp_path / "ck")
     make_run(root, steps=(10,))
     url = f"memory://{tmp_path.name}/run1"  # (a file:// get copies whole files, uncounted)
@@ -546,9 +546,10 @@ def test_a_directory_with_only_a_save_that_never_committed_says_so(tmp_path):
         assert f"`resilient-ckpt gc {root}` removes it" in r.stderr, r.stderr
 
 
-def test_gc_beside_a_remote_of_a_dir_without_checkpoints_says_it_cleans_the_store_alone(tmp_path):
+def test_gc_and_ls_beside_a_remote_of_a_dir_without_checkpoints_say_so(tmp_path):
     """``gc DIR --remote URL`` with a DIR that exists but holds none of the run's checkpoints
-    (the wrong folder) cleaned the remote store and said nothing of DIR."""
+    (the wrong folder) cleaned the remote store and said nothing of DIR; ``ls`` alike listed
+    the store's rows alone, also without a word of DIR."""
     root = str(tmp_path / "ck")
     make_run(root, steps=(10,))
     url = (tmp_path / "remote").as_uri()
@@ -560,6 +561,11 @@ def test_gc_beside_a_remote_of_a_dir_without_checkpoints_says_it_cleans_the_stor
     assert (
         f"resilient-ckpt gc: {other} holds no checkpoint of ours: cleaning the remote" in r.stderr
     )
+    r = cli("ls", str(other), "--remote", url)  # (ls said nothing of DIR: rows "remote only")
+    assert r.returncode == 0 and "step_000000010" in r.stdout, r.stdout
+    said = f"resilient-ckpt ls: {other} holds no checkpoint of ours: listing the remote store alone"
+    assert said in r.stderr, r.stderr
+    assert "holds no checkpoint of ours" not in cli("ls", root, "--remote", url).stderr
 
 
 def test_verify_url_names_a_newer_upload_without_its_manifest(tmp_path):
