@@ -62,11 +62,11 @@ def ls(args: argparse.Namespace) -> int:
             entries = scan(target, Depth.SIZE)
         if target.only is not None and depth is Depth.FULL:
             entries = [check(e) for e in entries]
-        if st is not None and target.only is None and not catalog.committed(everything):
-            missing_dir_note(args, args.remote, "holds no checkpoint of ours")  # (as gc says)
         p, _ = _plan(everything)
         keep_uncommitted_parts(everything, p, _committed(everything, args))
         foreign = set(catalog.foreign_folders(target.root, everything))
+        if st is not None and target.only is None and len(everything) == len(foreign):
+            missing_dir_note(args, args.remote, "holds no checkpoint of ours")  # (as gc says)
         entries = cli_scan.oldest_first(entries)
         rows = [row(e, depth) | _kept(e, p) for e in entries]
         for r in rows:
