@@ -18,7 +18,8 @@ import torch
 
 import resilient_callbacks
 from resilient_callbacks import Checkpointer
-from resilient_callbacks.cli import build_parser, main, package_version
+from resilient_callbacks.cli import main
+from resilient_callbacks.cli_parser import build_parser, package_version
 
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00$")
 
@@ -528,7 +529,7 @@ def test_the_examples_in_the_help_parse():
     (one showed ``report ... -o report.html`` after ``-o`` became a remote option)."""
     import shlex
 
-    from resilient_callbacks.cli import EPILOG
+    from resilient_callbacks.cli_parser import EPILOG
 
     examples = [
         re.split(r"\s{2,}", line.strip())[0]

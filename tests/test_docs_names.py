@@ -171,7 +171,7 @@ def _cli_table(text: str) -> dict[str, set[str]]:
 def test_the_cli_table_gives_each_command_the_options_it_has():
     """cli.md's table of commands lists every option of each command's parser and no other
     (-h aside), and --version prints what cli.md says."""
-    from resilient_callbacks.cli import build_parser, package_version
+    from resilient_callbacks.cli_parser import build_parser, package_version
 
     text = (DOCS / "cli.md").read_text()
     documented = _cli_table(text)

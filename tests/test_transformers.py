@@ -856,11 +856,13 @@ def test_export_newest_checkpoint_loads_with_from_pretrained(tmp_path):
 
 @pytest.mark.slow  # (suite time: a default test covers the same contract)
 def test_resilient_ckpt_export_subcommand(tmp_path):
-    from resilient_callbacks import cli
+    from resilient_callbacks import cli_parser
 
-    sub = next(a for a in cli.build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    sub = next(
+        a for a in cli_parser.build_parser()._actions if isinstance(a, argparse._SubParsersAction)
+    )
     if "export" not in sub.choices:
-        pytest.skip("cli.py does not register the export subcommand yet")
+        pytest.skip("cli_parser.py does not register the export subcommand yet")
     ck = tmp_path / "ck"
     _train(tmp_path, ResilientCheckpoint(ck, every_n_steps=2), 2)
     # as a user runs it: a fresh interpreter, where importing transformers takes seconds,
