@@ -35,7 +35,7 @@ from common import library_version, write_results
 
 from resilient_callbacks.filewrite import encode_json, write_bytes
 from resilient_callbacks.manifest import FileEntry, Manifest
-from resilient_callbacks.nodelocal import global_files
+from resilient_callbacks.node_files import global_files
 from resilient_callbacks.remote import RemoteStore
 from resilient_callbacks.remote_commit import (
     NodeUploader,

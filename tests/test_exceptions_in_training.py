@@ -202,7 +202,7 @@ class _CtrlC:
     [
         ("lock", None, "os.ftruncate(fd, 0)"),  # flocked, its fd a local of the frame
         ("commit", "sweep_staging", None),  # locked; the Directory not yet the Checkpointer's
-        ("nodelocal", "open_directory", "return d"),  # opened, not yet returned
+        ("directory_open", "open_directory", "return d"),  # opened, not yet returned
         ("metrics", "__init__", None),  # the Checkpointer's parts half made, its thread started
         ("closing", "at_exit", None),  # everything made but the exit hook
     ],

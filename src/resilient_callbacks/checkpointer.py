@@ -30,11 +30,11 @@ from .adapter import keywords_checked
 from .checkpointer_queries import CheckpointerQueries
 from .config import CheckpointerConfig
 from .directory import Directory
+from .directory_open import open_directory
 from .emergency import Emergency
 from .inplace import Advice
 from .metrics import Telemetry
 from .node_restore import NodeRestorer
-from .nodelocal import open_directory
 from .persisting import SaveStats, check_next_save_fits
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport

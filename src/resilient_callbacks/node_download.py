@@ -25,7 +25,8 @@ from .errors import CheckpointCorruptError
 from .filewrite import encode_json, write_bytes
 from .layout import SHARED_STRUCTURE
 from .manifest import FileEntry, Manifest
-from .nodelocal import REMOTE_MANIFEST, NodeDirectory, is_shared, needed
+from .node_files import REMOTE_MANIFEST, is_shared, needed
+from .nodelocal import NodeDirectory
 from .part_blobs import parse_refs
 from .remote_download import arrived, failing
 from .tensor_headers import header_bytes, parse_header, zstd

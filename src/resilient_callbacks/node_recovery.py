@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from . import catalog, dist
 from .catalog import Depth, Status, archived
 from .manifest import FileEntry, Manifest
-from .nodelocal import REMOTE_MANIFEST, is_shared
+from .node_files import REMOTE_MANIFEST, is_shared
 from .remote_claims import commit_tag
 from .retention import Candidate, plan
 

@@ -40,7 +40,8 @@ from .errors import (
     warn_and_log,
 )
 from .manifest import Manifest, read_manifest
-from .nodelocal import REMOTE_MANIFEST, NodeDirectory, needed
+from .node_files import REMOTE_MANIFEST, needed
+from .nodelocal import NodeDirectory
 from .remote import NO_MANIFEST
 from .restoring import Candidate, Restorer, RestoreReport
 from .topology import Topology

@@ -20,7 +20,8 @@ from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, replace_file
 from .errors import CheckpointWriteError, sentence
 from .filewrite import encode_json
 from .manifest import FileEntry, Manifest, versions
-from .nodelocal import REMOTE_MANIFEST, NodeDirectory, global_files, is_shared
+from .node_files import REMOTE_MANIFEST, global_files, is_shared
+from .nodelocal import NodeDirectory
 from .session import Committed, RankReport, agree_steps
 from .topology import Topology
 

@@ -1,10 +1,11 @@
 """Node-local mode: ``dirpath`` on each node's own disk, no filesystem shared between nodes.
 
 Which ranks share a disk is detected at construction (:func:`.topology.detect`). This module
-holds the node's directory (:class:`NodeDirectory`); the commit of one checkpoint is
-:class:`.node_session.NodeLocalSession`, the restore :mod:`.node_restore` (the uploads it queues
-again: :mod:`.node_recovery`), the uploads and the
-remote commit :mod:`.remote_commit`, the replicas :mod:`.peers`.
+holds the node's directory (:class:`NodeDirectory`, opened by
+:func:`.directory_open.open_directory`); which files of a checkpoint a node holds and needs is
+:mod:`.node_files`, the commit of one checkpoint :class:`.node_session.NodeLocalSession`, the
+restore :mod:`.node_restore` (the uploads it queues again: :mod:`.node_recovery`), the uploads
+and the remote commit :mod:`.remote_commit`, the replicas :mod:`.peers`.
 
 Which ranks call what in node-local mode (the rank contract of :mod:`.session` still holds for
 every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
@@ -42,17 +43,14 @@ from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist
 from .commit import open_dir, sweep_staging
-from .compression import SUFFIX
 from .directory import Directory
 from .errors import (
     CheckpointError,
     CheckpointLockedError,
     CheckpointWriteError,
-    ConfigError,
     RemoteUnavailableError,
 )
 from .lock import COMMAND_WAIT_S, claim_remote
-from .manifest import FileEntry
 from .redact import command
 from .remote_open import open_listing, preflight
 from .repeats import again, reason
@@ -72,110 +70,6 @@ _OPEN_ERRORS: dict[type[CheckpointError], str] = {
     RemoteUnavailableError: "unreachable",
     CheckpointLockedError: "locked",
 }
-
-REMOTE_MANIFEST = "remote_manifest.json"  # the coordinator's copy of the global manifest
-SHARED_PATHS = ("shared.json", "shared.safetensors")
-
-
-def is_shared(path: str) -> bool:
-    """Whether ``path`` is one of the replicated ``shared.*`` files every node's leader writes,
-    compressed (``shared.safetensors.zst``, ``compression=``) or not."""
-    return path.removesuffix(SUFFIX) in SHARED_PATHS
-
-
-def global_files(files: list[FileEntry]) -> list[FileEntry]:
-    """The files of the remote (global) checkpoint: every rank's files, the replicated ones
-    (written by each node's leader) once, as rank 0 wrote them."""
-    out: dict[str, FileEntry] = {}
-    for f in sorted(files, key=lambda f: f.rank):
-        out.setdefault(f.path, f)
-    return list(out.values())
-
-
-def needed(ranks: Any, world_size: int | None) -> set[int]:
-    """The ranks whose files a node running ``ranks`` needs of a checkpoint saved by
-    ``world_size`` ranks: its own, and rank 0's for a rank the checkpoint has none of (a
-    ``PerRank(..., new_ranks="rank0")`` state is read from rank 0's files)."""
-    ranks = set(ranks)
-    if world_size is None:
-        return ranks
-    mine = {r for r in ranks if r < world_size}
-    return mine | {0} if len(mine) < len(ranks) else mine
-
-
-def other_nodes_files(path: str, rank: int) -> str | None:
-    """Why ``rank`` cannot load the checkpoint at ``path`` when it is one node's part that lacks
-    the files this rank reads (its own, or rank 0's for a rank the save did not have): a
-    resume on fewer nodes than the save, whose other nodes' disks this run does not see. None
-    when it is not such a part."""
-    from .manifest import read_manifest
-
-    try:
-        m = read_manifest(path)
-    except Exception:
-        return None
-    node = m.extra.get("node")
-    wanted = rank if rank < m.world_size else 0
-    if not isinstance(node, dict) or any(f.rank == wanted for f in m.files):
-        return None
-    ranks = ", ".join(str(r) for r in node.get("ranks") or [])
-    return (
-        f"{path} is one node's part of a checkpoint saved by {m.world_size} ranks on "
-        f"{node.get('nodes')} nodes, each with its own directory (node-local mode): it holds "
-        f"the files of rank(s) {ranks}; rank {wanted}'s are on another node's disk, which this "
-        "run does not see (it runs on fewer nodes than the save). A remote copy of it holds "
-        "every rank's files and replaces this part, and a resume from it is exact; without "
-        "one, resume on as many nodes as the save, each with its own directory"
-    )
-
-
-def open_directory(
-    config: CheckpointerConfig, topology: Topology, retention: RetentionPolicy, world_size: int
-) -> Directory:
-    """Every rank, at construction: the directory of a Checkpointer, opened (a collective): one
-    that every rank shares, or in node-local mode each node's own (which needs a remote tier)."""
-    dirpath = config.dirpath
-    d: Directory
-    if topology.node_local:
-        paths = topology.extra.get("dirpaths")
-        if config.remote is None and paths:
-            raise ConfigError(
-                "the ranks were given different dirpaths ("
-                + ", ".join(f"rank {r} {p!r}" for r, p in enumerate(paths))
-                + "), so each sees a directory of its own: every rank must pass the same "
-                "dirpath, on a filesystem they share (a per-rank path such as "
-                "f'ckpt/{rank}' would split each checkpoint into parts no rank restores alone)"
-            )
-        if config.remote is None:
-            raise ConfigError(
-                f"dirpath={dirpath!r} is node-local ({len(topology.nodes)} nodes each see "
-                "their own directory): node-local mode needs a durable remote tier that every "
-                "node reaches, remote='s3://bucket/prefix' (or any fsspec URL); or put dirpath "
-                "on a filesystem every node shares (docs/multinode.md)"
-            )
-        if config.incremental:
-            raise ConfigError(
-                "incremental=True is not supported yet in node-local mode (each node its own "
-                "dirpath): a node's uploads do not carry the run's shared blob store. Use "
-                "incremental=False there, or a dirpath every node shares "
-                "(docs/multinode.md, docs/incremental.md)"
-            )
-        d = NodeDirectory(dirpath, retention, world_size, topology, config)
-    else:
-        if config.replicas:
-            raise ConfigError(
-                "replicas=1 applies when each node has its own dirpath (node-local mode); "
-                f"every rank sees the same {dirpath!r} (one node, or a filesystem every node "
-                "shares), so there is no other node's disk to keep a copy on: drop replicas= "
-                "for this run, or give each node a dirpath on its own disk (docs/multinode.md)"
-            )
-        d = Directory(dirpath, retention, world_size, read_only=config.read_only)
-    try:
-        d.open(config)
-        return d
-    except BaseException:  # (a Ctrl-C as it returns: no one else holds it to release it)
-        (d.release if isinstance(d, NodeDirectory) else d.release_opened)()
-        raise
 
 
 class NodeDirectory(Directory):

@@ -33,7 +33,7 @@ from .commit import STAGING_PREFIX, fsync_dir, fsync_tree
 from .errors import CheckpointWriteError
 from .filewrite import write_all
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
-from .nodelocal import REMOTE_MANIFEST
+from .node_files import REMOTE_MANIFEST
 
 log = logging.getLogger("resilient_callbacks")
 

@@ -28,7 +28,7 @@ from . import (
     history,
     inplace,
     layout,
-    nodelocal,
+    node_files,
     notices,
     restore_remote,
     rng,
@@ -111,7 +111,7 @@ class CandidateLoader:
         except CheckpointMismatchError as e:  # a part refuses this checkpoint: no fallback
             refusal = str(e)
         except (CheckpointCorruptError, OSError) as e:  # (or another node's files: it says)
-            problem = nodelocal.other_nodes_files(path, ck.rank) or str(e)
+            problem = node_files.other_nodes_files(path, ck.rank) or str(e)
         except Exception as e:  # malformed content: as corrupt; every rank must reach the gather
             problem = f"unreadable checkpoint ({type(e).__name__}: {e})"
         if problem is not None and not os.path.exists(os.path.join(path, MANIFEST_NAME)):
