@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import closing, dist, sinks, stall, topology
+from . import closing, dist, exit_hook, sinks, stall, topology
 from .adapter import keywords_checked
 from .checkpointer_queries import CheckpointerQueries
 from .config import CheckpointerConfig
@@ -229,7 +229,7 @@ class Checkpointer(CheckpointerQueries):
         self._saver = Saver(self)
         self.telemetry = Telemetry(sink_objects, rank=self.rank)
         self._recorder = Recorder(self, self.telemetry)
-        self._at_exit = closing.at_exit(self)  # unregistered by close()
+        self._at_exit = exit_hook.at_exit(self)  # unregistered by close()
 
     # the parts' state and the queries: checkpointer_queries.CheckpointerQueries
 
@@ -316,8 +316,8 @@ class Checkpointer(CheckpointerQueries):
         """Block until every background save has committed; raise if one failed."""
         self._wait_background()
 
-    def __del__(self) -> None:  # (dropped unclosed: see closing.dropped)
-        closing.dropped(self)
+    def __del__(self) -> None:  # (dropped unclosed: see exit_hook.dropped)
+        exit_hook.dropped(self)
 
     def _check_open(self, writes: bool = False) -> None:
         closing.check_open(self, writes)

@@ -1,6 +1,6 @@
 """Closing a Checkpointer: wait for its background saves (or abandon them after a timeout),
-finish the uploads and the node-local work, then release everything it holds; and the exit
-hook that closes a Checkpointer the script forgot.
+finish the uploads and the node-local work, then release everything it holds (the exit
+hook that closes a Checkpointer the script forgot: :mod:`.exit_hook`).
 
 Which ranks call what: every rank calls :func:`close` (through ``Checkpointer.close``) at the
 same point. Every rank waits for its own background saves and raises a background failure;
@@ -10,7 +10,6 @@ mode each node's leader finishes its node's uploads and reports; rank 0 releases
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import logging
 import os
@@ -18,11 +17,10 @@ import re
 import signal
 import sys
 import time
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import notices, unanswered_exit
+from . import exit_hook, notices, unanswered_exit
 from .close_uploads import close_directory as close_directory  # (the DCP writer's)
 from .close_uploads import not_uploaded_error
 from .closing_steps import check_open as check_open
@@ -41,7 +39,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("resilient_callbacks")
 
 PREEMPTED_SINKS_S = 5.0  # a preempted process's wait for its metrics sinks, grace period unknown
-_at_exit_closing = False  # flush_at_exit is closing a Checkpointer (at interpreter exit)
 # torch's error in the training process when a DataLoader worker died of a signal
 _WORKER_KILLED = re.compile(r"DataLoader worker \(pid.*\) is killed by signal")
 
@@ -286,7 +283,7 @@ def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Except
         # close() raises: the error ends the process (said below), not 75 nor the signal
         raised = bool(
             raising is not None
-            and not _at_exit_closing
+            and not exit_hook.at_exit_closing
             and unanswered is not None
             and unanswered.signum is not None
             and (exit_code is not None or ck.watcher.passing_on_ends_the_process(unanswered.signum))
@@ -401,79 +398,8 @@ def _release_all(ck: Checkpointer, sinks_deadline: float | None, raising: Except
     else:
         ck._dir.lock.release()
     if exit_code is not None:
-        if _at_exit_closing:  # (a SystemExit raised in an atexit hook is ignored)
+        if exit_hook.at_exit_closing:  # (a SystemExit raised in an atexit hook is ignored)
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(exit_code)
         exiting.exit_with(exit_code)
-
-
-def at_exit(ck: Checkpointer) -> Callable[[], None] | None:
-    """Register :func:`flush_at_exit` for ``ck`` (a writer): saves in flight at exit commit,
-    telemetry is flushed, and the history gets how the process ended (``end``, or ``failed``),
-    synchronous saves or not: without it a finished run's re-run counted as a failure. The
-    hook, for :func:`_release` to unregister (one per Checkpointer otherwise stayed registered
-    for the life of the process: one per trial of a sweep)."""
-    if ck.config.read_only:
-        return None
-    hook = functools.partial(flush_at_exit, weakref.ref(ck))
-    atexit.register(hook)
-    return hook
-
-
-def flush_at_exit(ref: weakref.ReferenceType[Checkpointer]) -> None:
-    """``atexit`` hook: close a Checkpointer still open at exit, so pending saves commit. An
-    exception no one caught ended the program (the interpreter sets ``sys.last_value`` as it
-    prints it): the history records a failure with its name, not a clean end. A close() that
-    a Ctrl-C interrupted (the program went on to its end) is finished too."""
-    global _at_exit_closing
-    ck = ref()
-    if ck is not None and not ck._released:
-        uncaught = getattr(sys, "last_value", None)
-        if isinstance(uncaught, SystemExit) or not isinstance(uncaught, BaseException):
-            uncaught = None
-        if uncaught is not None and not ck.failed_with:
-            failing(ck, uncaught)
-        _at_exit_closing = True
-        try:
-            ck.close()
-        except Exception as e:  # at exit there is no caller left to raise to: say it loudly
-            # (the exit status stays as it was: call close(), or use `with`, to fail the job)
-            log.error("closing %s at exit failed: %s", ck.dirpath, e)
-        finally:
-            _at_exit_closing = False
-
-
-def dropped(ck: Checkpointer) -> None:
-    """``__del__``, best effort: a Checkpointer dropped unclosed (a sweep's trial that raised
-    outside a ``with`` block, its close never called) gives back its directory lock, ends its
-    background-save, deletion and notice-polling threads and its signal handlers: restored
-    from the main thread; from another (its last save ended there), left to forward to the
-    ones before them, as after an ``uninstall`` out of order (one of each otherwise stayed per
-    such trial, its watcher taking every SIGTERM for a save no one would make). Its saves ran
-    before: a queued save holds its Checkpointer. Its upload threads are told to stop after their
-    current attempt, before the lock goes (they ran on for the life of the process, uploading
-    from the directory the next writer opened, and retention there restarted its deletion
-    thread): what was not uploaded, the next writer on the directory uploads. Nothing (no I/O,
-    no thread or handler touched) for one whose close() finished its release."""
-    if getattr(ck, "_released", False):
-        return
-    for name in ("sync", "uploader", "committer"):  # (a NodeDirectory: the last two)
-        with contextlib.suppress(Exception):
-            thread = getattr(ck._dir, name, None)
-            if thread is not None:
-                thread.stop(join_s=0.0)
-    with contextlib.suppress(Exception):
-        ck._dir.lock.release()
-    with contextlib.suppress(Exception):
-        persister = ck._saver.persister
-        if persister is not None:
-            persister.stop(join_s=0.0)
-    with contextlib.suppress(Exception):
-        ck._dir.trash.stop(join=False)  # (once what it was given is deleted)
-    with contextlib.suppress(Exception):
-        if ck._poller is not None:  # (its cloud notice poller polled on, for no one)
-            ck._poller.stop(join=False)
-    with contextlib.suppress(Exception):
-        if ck.watcher is not None:
-            ck.watcher.uninstall(quiet=True)
