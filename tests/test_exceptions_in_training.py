@@ -203,7 +203,7 @@ class _CtrlC:
         ("lock", None, "os.ftruncate(fd, 0)"),  # flocked, its fd a local of the frame
         ("commit", "sweep_staging", None),  # locked; the Directory not yet the Checkpointer's
         ("directory_open", "open_directory", "return d"),  # opened, not yet returned
-        ("metrics", "__init__", None),  # the Checkpointer's parts half made, its thread started
+        ("telemetry", "__init__", None),  # the Checkpointer's parts half made, its thread started
         ("exit_hook", "at_exit", None),  # everything made but the exit hook
     ],
     ids=lambda w: f"{w[0]}.{w[1] or w[2]}",

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from resilient_callbacks import Checkpointer, metrics, sink_retry
-from resilient_callbacks.metrics import PREFIX, Telemetry
+from resilient_callbacks import Checkpointer, sink_retry, telemetry
+from resilient_callbacks.metrics import PREFIX
+from resilient_callbacks.telemetry import Telemetry
 from test_monitoring import _state, _train
 
 prom_parser = pytest.importorskip("prometheus_client.parser")
@@ -206,8 +207,8 @@ def test_sinks_close_concurrently_so_their_waits_do_not_add_up(monkeypatch, capl
         waits.append(timeout)
         clock[0] += timeout  # the sink hangs: the whole wait passes
 
-    monkeypatch.setattr(metrics, "time", FakeTime)
-    monkeypatch.setattr(metrics._Runner, "join", join)
+    monkeypatch.setattr(telemetry, "time", FakeTime)
+    monkeypatch.setattr(telemetry._Runner, "join", join)
     try:
         with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
             t.close()

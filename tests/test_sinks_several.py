@@ -314,8 +314,8 @@ def test_two_exporters_starting_at_once_on_one_port_serve_one_and_name_the_confl
 
     prometheus_client = pytest.importorskip("prometheus_client")
     from resilient_callbacks.errors import ConfigError
-    from resilient_callbacks.metrics import Telemetry
     from resilient_callbacks.sinks import prometheus
+    from resilient_callbacks.telemetry import Telemetry
 
     with socket.socket() as s:  # a port free now (bound by the test's exporters from here on)
         s.bind(("127.0.0.1", 0))
@@ -387,8 +387,8 @@ def test_two_textfiles_starting_at_once_at_one_path_name_the_conflict(tmp_path: 
 
     pytest.importorskip("prometheus_client")
     from resilient_callbacks.errors import ConfigError
-    from resilient_callbacks.metrics import Telemetry
     from resilient_callbacks.sinks import CallableSink, prometheus
+    from resilient_callbacks.telemetry import Telemetry
 
     path = tmp_path / "ckpt.prom"
     moved = {n: threading.Event() for n in ("first", "second")}  # looked, or at the lock

@@ -33,13 +33,13 @@ from .directory import Directory
 from .directory_open import open_directory
 from .emergency import Emergency
 from .inplace import Advice
-from .metrics import Telemetry
 from .node_restore import NodeRestorer
 from .persisting import SaveStats, check_next_save_fits
 from .recorder import Recorder
 from .restoring import Restorer, RestoreReport
 from .save_inputs import check_metrics
 from .saving import Saver, new_run_id
+from .telemetry import Telemetry
 from .trigger import Trigger
 from .watcher_setup import GRACE_ENV, start_watcher, watching
 

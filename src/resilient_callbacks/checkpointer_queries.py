@@ -21,12 +21,12 @@ if TYPE_CHECKING:
     from .background import BackgroundPersister
     from .catalog import Entry
     from .directory import Directory
-    from .metrics import Telemetry
     from .recorder import Recorder
     from .remote import RemoteStore
     from .saving import Saver
     from .snapshot import HostBuffers
     from .sync import RemoteSync, SyncStatus
+    from .telemetry import Telemetry
     from .trigger import Trigger
     from .waits import SaveWaits
 

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from .adaptive import DEFAULT_PRIOR_MTBF_HOURS, HOUR
 from .interval import _daly
-from .metrics import PREFIX, Telemetry, fallback_reason
+from .metrics import PREFIX, fallback_reason
+from .telemetry import Telemetry
 
 if TYPE_CHECKING:
     from .checkpointer import Checkpointer

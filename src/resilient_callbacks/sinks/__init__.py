@@ -10,7 +10,7 @@
 - a dict ``{"kind": "prometheus", "port": 9464, "per_rank": true}`` (the form for JSON configs,
   such as the DeepSpeed section), with the keyword options of the sink's class;
 - a callable, called with the metrics dict (``{name: value}``) from a background thread;
-- a sink object (see :class:`~resilient_callbacks.metrics.Sink`).
+- a sink object (see :class:`~resilient_callbacks.telemetry.Sink`).
 
 Specs are checked when the option is validated (no extra is imported then); the sinks are built
 when the Checkpointer is, and a missing extra is a :class:`~.errors.ConfigError` naming it.
@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..metrics import Metric, Sink, Telemetry
+from ..metrics import Metric
 from ..sink_retry import SinkHealth
+from ..telemetry import Sink, Telemetry
 
 log = logging.getLogger("resilient_callbacks")
 

@@ -40,8 +40,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from ..metrics import Metric, Telemetry
+from ..metrics import Metric
 from ..redact import url_text
+from ..telemetry import Telemetry
 from . import missing_extra
 
 try:

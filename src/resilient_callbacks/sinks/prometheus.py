@@ -19,8 +19,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from ..metrics import Metric, Telemetry
+from ..metrics import Metric
 from ..redact import url_text
+from ..telemetry import Telemetry
 from . import missing_extra
 
 log = logging.getLogger("resilient_callbacks")
