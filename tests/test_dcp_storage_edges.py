@@ -146,3 +146,26 @@ def test_objects_load_with_a_load_planner_that_does_not_flatten(tmp_path):
     dcp.load(back, storage_reader=ResilientStorageReader(root), planner=planner)
     assert back["epoch"] == 3 and back["tag"] == "b"
     assert torch.equal(back["w"], torch.arange(4.0))
+
+
+def test_a_directory_made_again_in_the_process_numbers_its_saves_afresh(tmp_path):
+    """A ``dcp.load`` is remembered per directory path: the next unnumbered save continues its
+    step. A directory deleted and made again in the same process (a notebook starting over) began
+    its commits at seq 1 again, so the old directory's load (step 2, seq 2) still counted: the new
+    directory's second save was step 3 (found when pytest gave a test the path of a deleted one).
+    The record counts only while the checkpoint it loaded is still committed there."""
+    import shutil
+
+    root = tmp_path / "ck"
+    with ResilientStorageWriter(root) as w:
+        for step in (1, 2):
+            dcp.save({"t": torch.full((2,), float(step))}, storage_writer=w, checkpoint_id=step)
+    got = {"t": torch.zeros(2)}
+    dcp.load(got, storage_reader=ResilientStorageReader(root))
+    assert torch.equal(got["t"], torch.full((2,), 2.0))
+    shutil.rmtree(root)
+    with ResilientStorageWriter(root) as w:
+        dcp.save({"t": torch.ones(2)}, storage_writer=w)
+        assert _steps(root) == [1]
+        dcp.save({"t": torch.ones(2)}, storage_writer=w)
+    assert _steps(root) == [1, 2]

@@ -52,15 +52,29 @@ def loaded(root: str, step: int, seq: int, manifest: Manifest | None = None) -> 
         _loads[os.path.realpath(root)] = (step, seq, *own)
 
 
+def _current_load(root: str, entries: list[Entry], newest: int) -> Any:
+    """The load this process recorded for ``root`` (:func:`loaded`), while it still holds: no
+    commit there since (``newest``: the newest commit's seq) and the checkpoint it loaded still
+    committed there. A directory deleted and made again in this process (a notebook starting
+    over) starts its seqs again: the record of the old one's load would count for it."""
+    with _lock:
+        load = _loads.get(os.path.realpath(root))
+    if load is None or load[1] < newest:
+        return None
+    if load[2] is not None and not any(e.seq == load[2] for e in entries):
+        return None
+    return load
+
+
 def rebase(tip: Tip, root: str, seen: object) -> object:
     """Coordinator, as a save into ``root`` is planned: point ``tip`` (where the writer's saves
     descend from) at the checkpoint a ``dcp.load`` in this process took, if one did since
     anything was committed there and it is not ``seen`` (what the last call returned); at the
     first call (``seen`` None) without one, at the newest commit. Returns what to pass next."""
-    ordered = by_commit(committed(root))
-    with _lock:
-        load = _loads.get(os.path.realpath(root))
-    if load is not None and load[1] >= (ordered[0].seq if ordered else 0) and load != seen:
+    entries = committed(root)
+    ordered = by_commit(entries)
+    load = _current_load(root, entries, ordered[0].seq if ordered else 0)
+    if load is not None and load != seen:
         tip.rebase(load[2], load[3])
         return load
     if seen is None:
@@ -75,9 +89,8 @@ def next_step(root: str, in_flight: Iterable[int]) -> int:
     saves still in flight (``in_flight``)."""
     entries = committed(root)
     ordered = by_commit(entries)
-    with _lock:
-        load = _loads.get(os.path.realpath(root))
-    if load is not None and load[1] >= (ordered[0].seq if ordered else 0):
+    load = _current_load(root, entries, ordered[0].seq if ordered else 0)
+    if load is not None:
         base = load[0]  # nothing committed since this process loaded that step
     elif ordered:
         base = ordered[0].step or 0
