@@ -86,19 +86,24 @@ def _outcome(call: Any) -> Any:
         return {"error": type(e).__name__, "message": str(e)}
 
 
+def _two_saves_rank_1_fails_the_second(ck: Checkpointer, state: Any, rank: int) -> None:
+    """Background saves of steps 1 and 2, rank 1's account of step 2 failing (held)."""
+    real = ck._recorder.committed
+
+    def committed(step: int, *args: Any) -> None:
+        if rank == 1 and step == 2:
+            raise OSError(5, "Input/output error")
+        real(step, *args)
+
+    ck._recorder.committed = committed  # type: ignore[method-assign]
+    ck.save(1, state)
+    ck.save(2, state)
+
+
 def _final_held(root: Path, rank: int) -> dict[str, Any]:
     state = {"model": nn.Linear(4, 4)}
     with Checkpointer(root, async_save=True) as ck:
-        real = ck._recorder.committed
-
-        def committed(step: int, *args: Any) -> None:  # rank 1's account of step 2 fails
-            if rank == 1 and step == 2:
-                raise OSError(5, "Input/output error")
-            real(step, *args)
-
-        ck._recorder.committed = committed  # type: ignore[method-assign]
-        ck.save(1, state)
-        ck.save(2, state)
+        _two_saves_rank_1_fails_the_second(ck, state, rank)
         out = {"final": _outcome(lambda: ck.save(2, state, final=True))}
         out["again"] = _outcome(lambda: ck.save(2, state, final=True))  # (raised once)
     return out
@@ -147,16 +152,7 @@ def _retention(root: Path, rank: int, background: bool) -> dict[str, Any]:
 def _restore_held(root: Path, rank: int) -> dict[str, Any]:
     state = {"model": nn.Linear(4, 4)}
     with Checkpointer(root, async_save=True) as ck:
-        real = ck._recorder.committed
-
-        def committed(step: int, *args: Any) -> None:  # rank 1's account of step 2 fails
-            if rank == 1 and step == 2:
-                raise OSError(5, "Input/output error")
-            real(step, *args)
-
-        ck._recorder.committed = committed  # type: ignore[method-assign]
-        ck.save(1, state)
-        ck.save(2, state)
+        _two_saves_rank_1_fails_the_second(ck, state, rank)
         out = {"restore": _outcome(lambda: ck.restore(state))}
         out["again"] = _outcome(lambda: ck.restore(state))  # (raised once: the next one loads)
     return out
