@@ -4,6 +4,8 @@ and harness of tests/test_nodelocal_failures.py (a hang fails at the spawn deadl
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from test_nodelocal_failures import _run
@@ -62,3 +64,38 @@ def test_a_global_manifest_the_restore_cannot_read_is_said_not_committed(tmp_pat
         assert "restart the job before its next remote commit" in line, line
     assert "remote_manifest.json cannot be read" not in out[1][-1]["log"]
     assert (tmp_path / "remote" / "step_000000006" / "manifest.json").exists()
+
+
+@pytest.mark.slow  # three runs of two ranks (about 10 s)
+def test_an_archive_point_never_uploaded_is_uploaded_at_a_restart_that_makes_it_due(tmp_path):
+    """remote_every_n_saves=3: the archive point of step 4 (commit 2) is not due, never
+    uploaded; step 6 (commit 3) is committed remotely. The restart (every 2nd save) makes it
+    due, but it skipped every local checkpoint older than the store's newest commit of the
+    run, taking it as uploaded: step 4 stayed on the nodes' disks only (a node replaced lost
+    it), without a word. The coordinator's history now records each remote commit: one older
+    than the newest that it does not record is uploaded and committed (as in shared mode).
+    One it records, deleted from the store since (by `gc --remote --drop-archives`), is not
+    uploaded again by the next restart."""
+    _run(tmp_path, "first", 2, "--steps", "8", "--remote-every", "3", RC_KEEP_EVERY=4)
+    remote = tmp_path / "remote"
+    first = sorted(p.parent.name for p in remote.glob("step_*/manifest.json"))
+    assert first == ["step_000000006"], first
+    for node in (0, 1):
+        assert (tmp_path / f"node{node}" / "step_000000004").is_dir()
+    out = _run(tmp_path, "second", 2, "--steps", "8", "--remote-every", "2", RC_KEEP_EVERY=4,
+               RC_CAPTURE_LOG=1)  # fmt: skip
+    assert [rank[0]["restored"] for rank in out] == [8, 8], out
+    committed = sorted(p.parent.name for p in remote.glob("step_*/manifest.json"))
+    want = ["step_000000004", "step_000000006", "step_000000008"]
+    assert committed == want, (committed, out[0][-1]["log"])
+    for rank in out:
+        assert (
+            "uploading its part of step_000000004, an archive point the store lacks"
+            in (rank[-1]["log"])
+        ), rank[-1]["log"]
+    shutil.rmtree(remote / "step_000000004")  # (what gc --remote --drop-archives does)
+    out = _run(tmp_path, "third", 2, "--steps", "8", "--remote-every", "2", RC_KEEP_EVERY=4,
+               RC_CAPTURE_LOG=1, RC_LOG_INFO=1)  # fmt: skip
+    assert "not uploading step 4 (commit 2) again: committed remotely" in out[0][-1]["log"]
+    assert not (remote / "step_000000004").exists()
+    assert (tmp_path / "node1" / "step_000000004").is_dir()  # (its copies stay)

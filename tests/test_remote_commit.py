@@ -545,3 +545,55 @@ def test_a_committer_that_could_not_list_at_open_retires_the_runs_history(tmp_pa
         committer.stop()
         for u in up:
             u.stop()
+
+
+def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_unrecorded(
+    tmp_path, caplog
+):
+    """The coordinator's committer records each remote commit in its node's history (an
+    ``upload`` record with the commit number); a restart then uploads an archive point older
+    than the store's newest commit that the store lacks only where no record names it (never
+    uploaded, not due under an earlier ``remote_every_n_saves``) and every node holds its part:
+    one recorded was deleted from the store since on purpose (said at INFO), one a node lacks
+    cannot be committed (an ERROR names the node). Before, every such checkpoint stayed local
+    without a word (the end-to-end case: tests/test_nodelocal_recovery.py)."""
+    import logging
+
+    from resilient_callbacks import node_recovery
+    from resilient_callbacks.nodelocal import NodeDirectory
+    from resilient_callbacks.topology import Topology
+
+    store, files, key, m, first, up = _setup(tmp_path)
+    first.stop()
+    d = NodeDirectory.__new__(NodeDirectory)  # the coordinator's, as open() leaves it
+    d.dirpath, d.run_id, d.read_only, d.world_size = str(tmp_path / "node0"), "run1", False, 2
+    d.remote, d.topology = store, Topology(0, 2, ((0,), (1,)))
+    committer = RemoteCommitter(
+        store, 2, RetentionPolicy(keep_last=None), max_attempts=1, on_committed=d._record_commit
+    )
+    try:
+        committer.expect(key, "step_000000002", encode_json(m.to_json()), "step_000000002")
+        for node in (0, 1):
+            up[node].enqueue("step_000000002", "step_000000002", key, [files[node]])
+            assert up[node].wait(120)
+            for rep in up[node].take_reports():
+                committer.report(node, rep)
+        assert committer.wait(120) is True
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()
+    assert node_recovery.committed_seqs(d) == [1]
+    older = [
+        (f"step_{s:09d}", Manifest(step=s, run_id="run1", seq=q, world_size=2, files=[]), None, "")
+        for q, s in ((1, 2), (2, 4), (3, 8))
+    ]
+    # each rank's part of recover_uploads' gather: node 0 holds commits 1-3, node 1 only 1-2
+    got = [[None, [[1, 2], [2, 4], [3, 8]], [1]], [None, [[1, 2], [2, 4]], None]]
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    queued = node_recovery._older_everywhere(d, older, got)
+    assert [x[0] for x in queued] == ["step_000000004"], queued
+    assert "not uploading step 2 (commit 1) again: committed remotely" in caplog.text
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("step 8 (commit 3) is an archive point")
+    assert "node(s) 1 hold no part of it" in errors[0], errors

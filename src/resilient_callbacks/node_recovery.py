@@ -1,12 +1,17 @@
 """The uploads a crash cut off, queued again after a node-local restore (docs/multinode.md,
 "After a restore"): each leader uploads its parts of this run's local checkpoints newer than
 the run's newest remote commit, only those the remote retention keeps; the coordinator expects
-their remote commit from the global manifest it kept beside its copy.
+their remote commit from the global manifest it kept beside its copy. An archive point older
+than that commit which the store lacks is uploaded too where the coordinator's history records
+no remote commit of it (never uploaded: not due under an earlier ``remote_every_n_saves``) and
+every node holds its part; one recorded was deleted from the store since, on purpose.
 
 Which ranks call what: :func:`recover_uploads` on every rank after the restore loaded (the
 leaders act); one collective on every rank (``cpu_group``): whether every leader could read
-its disk, so that one node's failure skips the recovery on every node, never leaving the
-others waiting in the first save's collectives.
+its disk, which older archive points each leader holds, and which remote commits the
+coordinator's history records, so that one node's failure skips the recovery on every node,
+never leaving the others waiting in the first save's collectives, and every node uploads the
+same older archive points.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist
+from . import catalog, dist, history
 from .catalog import Depth, Status, archived
 from .manifest import FileEntry, Manifest
 from .node_files import REMOTE_MANIFEST, is_shared
@@ -36,21 +41,84 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
     A leader that cannot read its disk (permission denied, the folder gone) skips the
     recovery on every node, with an ERROR: the run resumes, its new checkpoints are uploaded
     as usual (a node's part alone would hold every newer remote commit back)."""
-    topo, planned, problem = d.topology, None, None
+    topo, planned, problem, recorded = d.topology, None, None, None
     if topo.is_leader and d.run_id is not None:
         try:
             planned = _plan(d, remote_keys)
+            recorded = committed_seqs(d) if topo.rank == 0 else None
         except Exception as e:
             problem = f"node {topo.node}: {type(e).__name__}: {e}"
-    problems = [problem] if problem else []
+    # (leaders: the older archive points this node holds; rank 0: the remote commits its
+    # history records)
+    held = None if planned is None else [[x[1].seq, x[1].step] for x in planned[3]]
+    mine: list[Any] = [problem, held, recorded]
+    got = [mine]
     if topo.cpu_group is not None:  # (every rank: one node's failure is every node's)
-        problems = [p for p in dist.all_gather_json(problem, group=topo.cpu_group) if p]
+        got = dist.all_gather_json(mine, group=topo.cpu_group)
+    problems: list[str] = [g[0] for g in got if g[0]]
     if problems:
         if topo.is_leader and d.run_id is not None:
             _say_skipped(d, problems, remote_keys)
         return
     if planned is not None:
-        _queue(d, *planned)
+        due, kept, why, older = planned
+        _queue(d, due, kept, why, _older_everywhere(d, older, got))
+
+
+def committed_seqs(d: NodeDirectory) -> list[int]:
+    """Coordinator: the commit numbers of this run whose remote commit the history of its
+    node's directory records (the committer's ``upload`` records)."""
+    return sorted(
+        {
+            r["seq"]
+            for r in history.records(d.dirpath, ("upload",))
+            if r.get("run_id") == d.run_id and isinstance(r.get("seq"), int)
+        }
+    )
+
+
+def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> list[Any]:
+    """Leader: of this node's archive points older than the store's newest commit of the run
+    and absent from it (``older``), those every node holds and whose remote commit rank 0's
+    history does not record: uploaded now, as they never were. Rank 0 says the others."""
+    held = [{int(s): int(t) for s, t in g[1]} for g in got if g[1] is not None]
+    recorded = {int(s) for g in got if g[2] is not None for s in g[2]}
+    steps = {s: t for h in held for s, t in h.items()}
+    everywhere = set.intersection(*(set(h) for h in held)) - recorded if held else set()
+    if d.topology.rank == 0:
+        _say_older(d, steps, recorded, everywhere, held)
+    return [x for x in older if x[1].seq in everywhere]
+
+
+def _say_older(
+    d: NodeDirectory,
+    steps: dict[int, int],
+    recorded: set[int],
+    everywhere: set[int],
+    held: list[dict[int, int]],
+) -> None:
+    """Rank 0: the older archive points the store lacks that are not uploaded, and why."""
+    dropped = sorted(s for s in steps if s in recorded)
+    if dropped:
+        log.info(
+            "not uploading %s again: committed remotely by this run (its history records it) "
+            "and deleted from %s since (by `resilient-ckpt gc --remote`, by hand, or by the "
+            "remote retention); the nodes' copies stay while the local retention keeps them",
+            ", ".join(f"step {steps[s]} (commit {s})" for s in dropped),
+            d.remote.url if d.remote is not None else "the store",
+        )
+    for s in sorted(x for x in steps if x not in recorded and x not in everywhere):
+        lacking = [str(n) for n, h in enumerate(held) if s not in h]
+        log.error(
+            "step %d (commit %d) is an archive point the store %s lacks, never committed "
+            "remotely, and it cannot be: node(s) %s hold no part of it (a disk replaced, or "
+            "a part saved on another layout of nodes). The other nodes' parts stay on their "
+            "disks only, under the local retention; no restore can load it.",
+            steps[s],
+            s,
+            d.remote.url if d.remote is not None else "",
+            ", ".join(lacking),
+        )
 
 
 def _say_skipped(
@@ -77,7 +145,8 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
     if remote_keys is None:
         remote_keys, why = set(), "again: the remote could not be listed to tell if it has it"
     newest_remote = max((k[1] for k in remote_keys if k[0] == d.run_id), default=0)
-    due = []
+    due: list[Any] = []
+    older: list[Any] = []
     for e in catalog.scan(d.dirpath, Depth.SIZE):
         m = e.manifest
         if m is None or e.status is not Status.VALID or m.run_id != d.run_id:
@@ -85,7 +154,13 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
         key = (m.run_id, m.seq)
         node = m.extra.get("node") or {}
         name = node.get("remote_name")
-        if key in remote_keys or m.seq <= newest_remote or not name:
+        if key in remote_keys or not name:
+            continue
+        # older than the store's newest commit of the run: uploaded before (and deleted there
+        # since), or never (an archive point not due under an earlier remote_every_n_saves,
+        # one a backlog dropped): an archive point the history records no commit of is
+        # uploaded (recover_uploads decides, with every node); any other stays local
+        if m.seq <= newest_remote and not archived(m):
             continue
         # downloaded (a node-local save writes no blob; "remote_blobs": the remote copy had
         # blobs, maybe none of them read by this node's ranks): its blobs are no node's to
@@ -94,17 +169,19 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
             log.info("not uploading %s again: downloaded, its blobs are not on this node", e.name)
             continue
         if d.config.remote_due(m.seq, m.reason):
-            due.append((e.name, m, key, name))
+            (older if m.seq <= newest_remote else due).append((e.name, m, key, name))
     due.sort(key=lambda x: x[1].seq)
     # (another layout's parts are not discarded either: under the same name, this run's save
     # of that step may be uploading another node's files of those ranks)
     due = _this_layout(d, due)
-    return due, _not_superseded(d, due), why
+    older = _this_layout(d, sorted(older, key=lambda x: x[1].seq))
+    return due, _not_superseded(d, due), why, older
 
 
-def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str) -> None:
+def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str, older: list[Any]) -> None:
     """Leader: discard what a stop cut off and the remote retention would delete; upload the
-    others again; coordinator: expect their remote commit."""
+    others again, and the ``older`` archive points never uploaded; coordinator: expect their
+    remote commit."""
     from .node_upload import UploadJob
 
     for local, m, key, name in due:
@@ -115,7 +192,10 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str) -> None:
             # before the stop goes; no node uploads it now
             job = UploadJob(local, name, key, own_files(m), tag=commit_tag(m))
             d.uploader.discard(job)
-    for local, m, key, name in kept:
+    never = "an archive point the store lacks, whose remote commit the run's history does not "
+    never += "record (not due under an earlier remote_every_n_saves, or a stop cut it off)"
+    whys = [(x, never) for x in older] + [(x, why) for x in kept]
+    for (local, m, key, name), why in sorted(whys, key=lambda w: w[0][1].seq):
         if d.committer is not None:
             try:
                 with open(os.path.join(d.dirpath, local, REMOTE_MANIFEST), "rb") as fh:

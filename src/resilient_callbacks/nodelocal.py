@@ -35,6 +35,7 @@ every call below; *leader* = the lowest rank of a node, *coordinator* = rank 0):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -51,6 +52,7 @@ from .errors import (
     RemoteUnavailableError,
 )
 from .lock import COMMAND_WAIT_S, claim_remote
+from .manifest import Manifest
 from .redact import command
 from .remote_open import open_listing, preflight
 from .repeats import again, reason
@@ -61,7 +63,7 @@ from .topology import Topology
 if TYPE_CHECKING:
     from .config import CheckpointerConfig
     from .node_upload import NodeUploader
-    from .remote_commit import RemoteCommitter
+    from .remote_commit import PendingCommit, RemoteCommitter
     from .retention import RetentionPolicy
 
 log = logging.getLogger("resilient_callbacks")
@@ -151,10 +153,22 @@ class NodeDirectory(Directory):
                 config.remote_retention_policy(),
                 held=self.restored_copy,
                 writer=self.dirpath,
+                on_committed=self._record_commit,
             )
             if reachable:  # (else the restore lists the remote, if it answers by then)
                 listed = open_listing(self.committer.refresh_max_seq, st.url, self.dirpath)
                 self.seq = max(self.seq, listed)
+
+    def _record_commit(self, p: PendingCommit) -> None:
+        """The committer, after each remote commit: an ``upload`` record in the coordinator's
+        history (its commit number: a restart uploads an archive point the store lacks only
+        where none records it, :mod:`.node_recovery`; the report's upload lag)."""
+        m = Manifest.from_json(json.loads(p.manifest), p.name)
+        lag = max(0.0, time.time() - m.created)
+        self.record(
+            "upload", m.step, sync=False, name=p.local or p.name, seq=m.seq,
+            bytes=m.total_bytes, lag_s=round(lag, 3),
+        )  # fmt: skip
 
     def release(self) -> None:
         if self.uploader is not None:

@@ -98,9 +98,11 @@ class RemoteCommitter(UploadThread):
         retry_base_s: float = 1.0,
         held: RestoredCopy | None = None,
         writer: str = "",
+        on_committed: Callable[[PendingCommit], None] | None = None,
     ) -> None:
         super().__init__("rc-remote-commit", writer)
         self.store, self.nodes, self.policy = store, nodes, policy
+        self.on_committed = on_committed  # (this thread, after each remote commit: recorded)
         self.max_attempts, self.retry_base_s = max_attempts, retry_base_s
         self.index: dict[tuple[str, int], str] = {}  # committed remotely: key -> name
         # every name listed with a manifest, also one that cannot be read or is damaged: no
@@ -398,6 +400,11 @@ class RemoteCommitter(UploadThread):
                     self._kept += [p.local] if p.local else []
                 self._busy = False
                 self._cond.notify_all()
+            if ok and self.on_committed is not None:
+                try:
+                    self.on_committed(p)
+                except Exception as e:  # (a record: never a reason for the commits to stop)
+                    log.warning("could not record the remote commit of %s: %s", p.name, e)
             if ok and not self._stop:  # (stopped: close() gave up on this commit and
                 self._retention(p.name, key[0])  # released the store: it deletes nothing)
 
