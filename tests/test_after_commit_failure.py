@@ -336,3 +336,34 @@ def test_a_checkpointers_upload_not_queued_says_the_push_that_uploads_it(
         assert f"Its upload to file://{remote} is not queued: `resilient-ckpt push" in error
     said = [m for m in _errors(caplog, AFTER) if m.startswith("checkpoint for step 2")]
     assert said, said
+
+
+def test_a_nodes_queueing_and_retention_failing_after_one_commit_are_both_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """Node-local mode: a node's leader runs the retention pass after its upload queue refused
+    the part (node_session._after_local_commit). When the pass failed too, the ERROR, the
+    message kept (``after_commit_error``, the metric's event) named the queueing alone: an
+    I/O error of the disk went unsaid. Both are named now, with what each leaves undone; the
+    same pair at the next save is said once."""
+    from resilient_callbacks import after_commit_work
+    from resilient_callbacks.remote import RemoteStore
+    from resilient_callbacks.repeats import Repeats
+
+    class _Uploader:  # (what failed() reads of a node's uploader: its store)
+        store = RemoteStore(f"file://{tmp_path / 'remote'}")
+
+    queued = after_commit_work.UploadNotQueued("step_000000002")
+    queued.__cause__ = RuntimeError("the upload queue refused step_000000002")
+    disk = OSError(5, "Input/output error")
+    said = Repeats()
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    args = ("k", queued, 2, f"{tmp_path}/step_000000002, on every node", "node 1", _Uploader)
+    msg = after_commit_work.failed(*args, said=said, also=disk)
+    assert "node 1's work after the commit failed: RuntimeError: the upload queue refused " in msg
+    assert "; its retention pass failed too: OSError: [Errno 5] Input/output error." in msg, msg
+    assert "are kept until the next retention pass." in msg, msg
+    assert "Node 1's part of it is not queued for upload to file://" in msg, msg
+    assert _errors(caplog, AFTER) == [msg]
+    after_commit_work.failed(*args, said=said, also=disk)  # the next save: the same pair
+    assert _errors(caplog, AFTER) == [msg]

@@ -245,16 +245,20 @@ def test_a_retention_that_fails_after_an_upload_or_at_close_is_an_error_close_co
 
 
 @pytest.mark.slow
-def test_a_nodes_upload_not_queued_is_said_with_what_becomes_of_it(tmp_path):
+@pytest.mark.parametrize("retention_too", [False, True])
+def test_a_nodes_upload_not_queued_is_said_with_what_becomes_of_it(tmp_path, retention_too):
     """Node 1's upload queue refuses its part of step 2 after the commit (every save is
     uploaded); its retention pass succeeds. The ERROR said only retention's words ("Older
     checkpoints ... are kept until the next retention pass", not so: the pass ran), not that
     node 1's part is not uploaded, so the remote store never commits that checkpoint. Now it
     says so, that `resilient-ckpt push` cannot upload a node's part, and that the next saves
-    are uploaded as usual, as they are: step 4 is committed remotely and close() completes."""
+    are uploaded as usual, as they are: step 4 is committed remotely and close() completes.
+    ``retention_too``: node 1's retention pass after that commit fails as well (an I/O error):
+    only the queueing was named; both are now."""
+    both = {"RC_RETENTION_FAILS_AT": "1:2"} if retention_too else {}
     out = _run(
         tmp_path, "run", 2, "--steps", "4", RC_KEEP_LAST=1, RC_QUEUE_FAILS_AT="1:2",
-        RC_CAPTURE_LOG=1, RC_OUTAGE_S=30,
+        RC_CAPTURE_LOG=1, RC_OUTAGE_S=30, **both,
     )  # fmt: skip
     assert [rank[-1]["event"] for rank in out] == ["closed", "closed"], out
     assert [rank[-2]["committed_saves"] for rank in out] == [2, 2], out
@@ -269,7 +273,11 @@ def test_a_nodes_upload_not_queued_is_said_with_what_becomes_of_it(tmp_path):
         in said
         and "the next saves are uploaded and committed remotely as usual." in said
     ), said
-    assert "kept until the next retention pass" not in said, said
+    if retention_too:
+        assert "; its retention pass failed too: OSError: [Errno 5] Input/output" in said, said
+        assert "are kept until the next retention pass." in said, said
+    else:
+        assert "kept until the next retention pass" not in said, said
     assert "after the commit" not in out[0][-1]["log"]  # (node 0 did its part)
     committed = [e.step for e in catalog.committed(catalog.scan(str(tmp_path / "remote")))]
     assert committed == [4], committed

@@ -11,7 +11,9 @@ Checkpointer: the DCP storage writer) the failure
 - is not raised: the save returns as committed (it raised on every rank of a synchronous
   save, and at the next save or ``flush()`` after a background one, and stopped the run);
 - is said as one ERROR by the process that did the work (rank 0; in node-local mode the node's
-  leader): the checkpoint is committed and valid, what failed, what is kept or not done (the
+  leader, which runs the retention pass even when queueing the upload failed: both failures
+  are named then, in the message kept and counted once): the checkpoint is committed and
+  valid, what failed, what is kept or not done (the
   old checkpoints stay until the next retention pass; an upload whose queueing failed
   (:class:`UploadNotQueued`), with the ``resilient-ckpt push`` that uploads it, or in
   node-local mode what uploads that node's part; an upload queued, or held on purpose by
@@ -63,6 +65,7 @@ def failed(
     dirpath: str = "",
     said: Repeats | None = None,
     retained: bool = False,
+    also: BaseException | None = None,
 ) -> str:
     """The work after the commit of ``step`` (at ``path``) by ``who`` ("rank 0", "node 1")
     raised ``e``: say it (an ERROR, once while it persists for the same reason: ``key``, the
@@ -70,8 +73,14 @@ def failed(
     :class:`UploadNotQueued`: the upload is named, with what uploads it: ``sync``, the uploader
     (``store.url``, ``store.options``) of ``dirpath``; in node-local mode (``who`` a node) its
     part's uploader, whose directory ``resilient-ckpt push`` refuses. ``retained``: the
-    retention pass ran all the same (node-local mode), so nothing is kept for it."""
+    retention pass ran all the same (node-local mode), so nothing is kept for it. ``also``:
+    that retention pass failed too, after ``e`` (node-local mode: both are named)."""
     cause = e.__cause__ if isinstance(e, UploadNotQueued) and e.__cause__ is not None else e
+    failures = f"{type(cause).__name__}: {cause}"
+    why = reason(cause)
+    if also is not None:
+        failures += f"; its retention pass failed too: {type(also).__name__}: {also}"
+        why += f" + {reason(also)}"
     said_next = (
         []
         if retained
@@ -93,10 +102,10 @@ def failed(
             said_next.append(f"Its upload to {url} is not queued: {command} uploads it.")
     message = (
         f"checkpoint for step {step} was committed ({path}): it is valid and a restore takes "
-        f"it; then {who}'s work after the commit failed: {type(cause).__name__}: {cause}. "
+        f"it; then {who}'s work after the commit failed: {failures}. "
         + " ".join([*said_next, "Training goes on."])
     )
-    n = (SAID if said is None else said).due(key, reason(cause))
+    n = (SAID if said is None else said).due(key, why)
     if n is None:  # said before, for this reason: each save tries again, quietly
         log.debug("%s (again)", message)
     else:

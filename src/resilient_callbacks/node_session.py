@@ -305,8 +305,9 @@ class NodeLocalSession:
     def _after_local_commit(self, local_path: str, reason: str) -> None:
         """Leader: queue this node's part for upload (if due), replicate, apply retention. The
         checkpoint is committed on every node by now, and every other rank returns it as
-        committed: a failure of the upload queue or the retention pass is said by this leader
-        (naming its node, what failed and what that leaves undone: :mod:`.after_commit_work`)
+        committed: a failure of the upload queue or the retention pass (or of both: the pass
+        runs after a queueing that failed) is said by this leader (naming its node, what
+        failed and what that leaves undone: :mod:`.after_commit_work`)
         and kept as :attr:`after_error`, never raised (raised on this rank alone, the save was
         told as uncommitted and recorded as failed, and its peers waited in a later
         collective)."""
@@ -332,18 +333,20 @@ class NodeLocalSession:
             error.__cause__ = e
         if d.config.replicas:  # (every leader, whatever failed: its peers' ends wait for it)
             self._replicate(local_path)  # (says its own failures)
-        retained = True
+        retained, also = True, None
         try:
             d.apply_retention(protect=name)
-        except Exception as e:
-            error, retained = error or e, False
+        except Exception as e:  # (after a queueing that failed: both are named)
+            retained, also = False, e if error is not None else None
+            error = error or e
         if error is None:
             after_commit_work.succeeded(key, d.said)
         else:
             where, who = f"{local_path}, on every node", f"node {self.topo.node}"
             self.after_error = after_commit_work.failed(
-                key, error, self.step, where, who, d.uploader, said=d.said, retained=retained
-            )
+                key, error, self.step, where, who, d.uploader, said=d.said, retained=retained,
+                also=also,
+            )  # fmt: skip
 
     def _replicate(self, local_path: str) -> None:
         """Leader: send this node's files to the next node, keep the previous node's."""
