@@ -367,3 +367,44 @@ def test_a_nodes_queueing_and_retention_failing_after_one_commit_are_both_named(
     assert _errors(caplog, AFTER) == [msg]
     after_commit_work.failed(*args, said=said, also=disk)  # the next save: the same pair
     assert _errors(caplog, AFTER) == [msg]
+
+
+def test_a_final_upload_held_that_cannot_be_queued_is_said_at_close_with_its_push(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """``remote_every_n_saves=3``: step 2 (commit 2) is held; the final ``save(final=True)``
+    of step 2 (the DeepSpeed launcher's end) queues it, and the uploader refuses it. The
+    RuntimeError left the final save (the launcher's job failed, on that rank alone), nothing
+    said the run's last state was on this disk only. Now the final save returns, an ERROR
+    names the checkpoint and the push that uploads it, the failure is kept and counted, and
+    close() says it again as an ERROR without raising; that push uploads it."""
+    from resilient_callbacks.cli import main
+    from resilient_callbacks.remote import RemoteStore
+
+    root, remote = tmp_path / "ck", tmp_path / "remote"
+    url = f"file://{remote}"
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(
+        root, async_save=False, preemption=False, remote=url, remote_every_n_saves=3
+    ) as ck:
+        ck.save(1, {"w": torch.zeros(3)})
+        ck.save(2, {"w": torch.ones(3)})
+        sync = ck._dir.sync
+        assert sync is not None
+
+        def refusing(name: str) -> None:
+            raise RuntimeError(f"the upload queue refused {name}")
+
+        sync.enqueue = refusing  # type: ignore[method-assign]
+        assert ck.save(2, {"w": torch.ones(3)}, final=True) is False
+        error = ck.after_commit_error
+        assert error is not None and error.startswith("the run's last checkpoint, of step 2 (")
+        assert "RuntimeError: the upload queue refused step_000000002" in error, error
+        push = f"`resilient-ckpt push {root} {url}` uploads it."
+        assert error.endswith(push), error
+        assert ck.metrics()[f"{PREFIX}after_commit_failures_total"] == 1
+    said = _errors(caplog, "the run's last checkpoint, of step 2")
+    assert len(said) == 2 and said[1].startswith("close(): the work after the commit"), said
+    assert not RemoteStore(url).scan()
+    assert main(["push", str(root), url]) == 0
+    assert 2 in [e.manifest.step for e in RemoteStore(url).scan() if e.manifest]

@@ -281,3 +281,31 @@ def test_a_nodes_upload_not_queued_is_said_with_what_becomes_of_it(tmp_path, ret
     assert "after the commit" not in out[0][-1]["log"]  # (node 0 did its part)
     committed = [e.step for e in catalog.committed(catalog.scan(str(tmp_path / "remote")))]
     assert committed == [4], committed
+
+
+@pytest.mark.slow
+def test_a_final_upload_held_that_a_node_cannot_queue_is_said_at_close(tmp_path):
+    """remote_every_n_saves=10: step 6, saved by the schedule, is held; the final save of it
+    (the DeepSpeed launcher's end) queues its upload, which node 1's queue refuses. The
+    RuntimeError left node 1's final save (its job failed, alone, its close never ran) and
+    rank 0's close named only a part that "never arrived". Now node 1's final save returns, it
+    says the run's last checkpoint is not committed remotely as an ERROR, kept and said again
+    at its close, which completes; rank 0's close raises UploadIncompleteError as before,
+    naming why node 1's part never arrived."""
+    out = _run(
+        tmp_path, "last", 2, "--steps", "6", "--remote-every", "10", expect=None,
+        RC_FINAL_SAVE=1, RC_QUEUE_FAILS_AT="1:6", RC_CAPTURE_LOG=1, RC_OUTAGE_S=30,
+    )  # fmt: skip
+    assert out[1][-1]["event"] == "closed", out[1]
+    error = out[1][-2]["after_error"]
+    assert error.startswith("the run's last checkpoint, of step 6 ("), error
+    assert "failed on node 1: RuntimeError: the upload queue refused step_000000006" in error
+    assert "Node 1's part of it is not queued for upload to file://" in error, error
+    assert "`resilient-ckpt push` refuses a node's directory" in error, error
+    said = out[1][-1]["log"]
+    assert said.count(error) == 2 and "close(): the work after the commit of the newest" in said
+    assert out[0][-1]["error"] == "UploadIncompleteError", out[0]
+    assert (
+        "node 1's part of step_000000006 never arrived: queueing its upload failed: "
+        "RuntimeError: the upload queue refused step_000000006" in out[0][-1]["msg"]
+    ), out[0][-1]["msg"]

@@ -25,6 +25,10 @@ Checkpointer: the DCP storage writer) the failure
   says it again as an ERROR when it is the run's last checkpoint's (the upload of the last
   checkpoint not queued is a loss of durability a job's log must show at its end).
 
+The upload of the run's last checkpoint held by ``remote_every_n_saves`` and queued by the
+final save (:func:`held_not_queued`) fails the same way: not raised, said, kept, counted and
+said again at close.
+
 Which ranks call what: only the process that did the work calls :func:`failed` or
 :func:`succeeded` (no collective). The other ranks of a CommitSession learn rank 0's failure
 from the commit's outcome broadcast, which every rank waits in anyway.
@@ -110,6 +114,38 @@ def failed(
         log.debug("%s (again)", message)
     else:
         log.error("%s%s", message, again(n))
+    return message
+
+
+def held_not_queued(
+    step: int, path: str, errors: list[Exception], who: str, sync: Any, dirpath: str
+) -> str:
+    """The run's final save found ``step`` saved, its upload held by ``remote_every_n_saves``
+    (:meth:`~.directory.Directory.upload_held`), and queueing it raised ``errors`` (on ``who``,
+    whose uploader is ``sync``): a loss of durability, said as an ERROR naming the checkpoint
+    and what uploads it; returns the message (kept, counted and said again at close)."""
+    url = url_text(sync.store.url) if sync is not None else "the remote tier"
+    failures = "; ".join(f"{type(e).__name__}: {e}" for e in errors)
+    if who.startswith("node"):
+        what = (
+            f"{who[0].upper()}{who[1:]}'s part of it is not queued for upload to {url}, so the "
+            "run's last checkpoint is not committed remotely: its last state is on the nodes' "
+            "disks only (`resilient-ckpt push` refuses a node's directory; a run resumed from "
+            "it with the same directories and without remote_every_n_saves uploads and commits "
+            "it at its restore)."
+        )
+    else:
+        command = push_command(dirpath, sync.store.url, sync.store.options) if sync else ""
+        what = (
+            f"Its upload to {url} is not queued, so the run's last state is on this disk only: "
+            f"{command} uploads it."
+        )
+    message = (
+        f"the run's last checkpoint, of step {step} ({path}), is committed and valid, but "
+        f"queueing its upload (held by remote_every_n_saves until the final save) failed on "
+        f"{who}: {failures}. {what}"
+    )
+    log.error("%s", message)
     return message
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import catalog, dist, history
-from .after_commit_work import UploadNotQueued
+from .after_commit_work import UploadNotQueued, held_not_queued
 from .blobs import BlobStore
 from .branches import Tip
 from .catalog import Depth, Entry, Status
@@ -127,7 +127,7 @@ class Directory:
         self.restored_copy = RestoredCopy()  # its remote copy, kept until the branch is there
         self.tip = Tip()  # where the next save descends from: its manifest's lineage
         # the uploads the newest commit skipped (remote_every_n_saves), run if it proves final
-        self._held: tuple[int, list[Callable[[], None]]] | None = None
+        self._held: tuple[int, list[Callable[[], None]], str] | None = None
 
     # ------------------------------------------------------------------ opening
 
@@ -255,7 +255,7 @@ class Directory:
         due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
         if self.sync is not None:
             sync = self.sync
-            self.hold_upload(committed.step, None if due else lambda: sync.enqueue(name))
+            self.hold_upload(committed.step, None if due else lambda: sync.enqueue(name), name)
             if due:
                 try:
                     sync.enqueue(name)
@@ -280,29 +280,47 @@ class Directory:
         are the newest, and a pass after an upload deleted it with ``keep_last=1``)."""
         return [p for p in (protect, self.restored) if p]
 
-    def hold_upload(self, step: int, upload: Callable[[], None] | None) -> None:
-        """A commit of ``step`` whose upload ``remote_every_n_saves`` skipped (``upload``:
-        what queues it) or did not skip (None). Kept until the next commit: if the run ends at
-        that step (a final save of a step already saved), :meth:`upload_held` queues it."""
+    def hold_upload(self, step: int, upload: Callable[[], None] | None, name: str = "") -> None:
+        """A commit of ``step`` (``name``, in this directory) whose upload
+        ``remote_every_n_saves`` skipped (``upload``: what queues it) or did not skip (None).
+        Kept until the next commit: if the run ends at that step (a final save of a step
+        already saved), :meth:`upload_held` queues it."""
         with self._retention_lock:
             if upload is None:
                 self._held = None
             elif self._held is not None and self._held[0] == step:
                 self._held[1].append(upload)  # node-local: the coordinator is a leader too
             else:
-                self._held = (step, [upload])
+                self._held = (step, [upload], name)
 
-    def upload_held(self, step: int) -> None:
+    def upload_held(self, step: int) -> str | None:
         """Every rank, after its background saves finished: the run's final save is of
         ``step``, saved already; queue its uploads if ``remote_every_n_saves`` skipped them
-        (the remote tier always takes the last state of a run)."""
+        (the remote tier always takes the last state of a run). Queueing that fails is not
+        raised (the checkpoint is committed; the run is at its end): said as an ERROR naming
+        the checkpoint and what uploads it, whose message is returned (kept and counted as
+        the work after its commit, said again at close: :mod:`.after_commit_work`)."""
         with self._retention_lock:
             held, self._held = self._held, None
         if held is None or held[0] != step:
-            return
+            return None
         log.info("remote: uploading the checkpoint of step %d as well: it is the run's last", step)
+        errors = []
         for upload in held[1]:
-            upload()
+            try:
+                upload()
+            except Exception as e:  # (the others still run: the leader's, the coordinator's)
+                errors.append(e)
+        if not errors:
+            return None
+        who, sync = self.after_commit_worker()
+        path = os.path.join(self.dirpath, held[2])
+        return held_not_queued(step, path, errors, who, sync, self.dirpath)
+
+    def after_commit_worker(self) -> tuple[str, Any]:
+        """Who does the work after a commit here, and its uploader (as
+        :func:`~.after_commit_work.failed` names them)."""
+        return "rank 0", self.sync
 
     def _retention_after_upload(self) -> None:
         if self.run_id is not None:

@@ -9,6 +9,7 @@ replicates.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import uuid
@@ -288,7 +289,8 @@ class NodeLocalSession:
                 d.hold_upload(self.step, None)
                 committer.expect(key, name, data, here, tag)
             else:
-                d.hold_upload(self.step, lambda: committer.expect(key, name, data, here, tag))
+                expect = functools.partial(committer.expect, key, name, data, here, tag)
+                d.hold_upload(self.step, expect, here or name)
             upload, drop = committer.drop_superseded()  # uploads behind the saves
             return {
                 "ok": True,
@@ -321,13 +323,18 @@ class NodeLocalSession:
                 tag, mine = self.token, self._upload_files
 
                 def upload() -> None:
-                    uploader.enqueue(name, remote_name, ukey, mine, tag)
+                    try:
+                        uploader.enqueue(name, remote_name, ukey, mine, tag)
+                    except Exception as e:  # (why the coordinator's close finds it missing)
+                        why = f"queueing its upload failed: {type(e).__name__}: {e}"
+                        uploader.skipped[remote_name] = why
+                        raise
 
                 if d.config.remote_due(self.seq, reason):
                     d.hold_upload(self.step, None)
                     upload()
                 else:
-                    d.hold_upload(self.step, upload)
+                    d.hold_upload(self.step, upload, name)
         except Exception as e:  # (the message says the upload is not queued: it raised)
             error = after_commit_work.UploadNotQueued(name)
             error.__cause__ = e

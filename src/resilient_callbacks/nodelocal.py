@@ -170,6 +170,9 @@ class NodeDirectory(Directory):
             bytes=m.total_bytes, lag_s=round(lag, 3),
         )  # fmt: skip
 
+    def after_commit_worker(self) -> tuple[str, Any]:
+        return f"node {self.topology.node}", self.uploader
+
     def release(self) -> None:
         if self.uploader is not None:
             self.uploader.stop()

@@ -138,7 +138,9 @@ class Saver:
                 # (every rank: a failure some ranks hold is raised on every rank, none going
                 # on alone into what follows: an adapter's collectives, close's)
                 self.wait_background_agreed(f"the final save of step {step}")
-                ck._dir.upload_held(step)
+                held_failed = ck._dir.upload_held(step)  # (said; not raised: on this rank only)
+                if held_failed is not None:
+                    ck._recorder.after_commit(step, held_failed)
             return False
         background = self.persister is not None and reason != "emergency"
         waited = 0.0
