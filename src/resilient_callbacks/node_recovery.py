@@ -195,7 +195,7 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str, older: l
     never = "an archive point the store lacks, whose remote commit the run's history does not "
     never += "record (not due under an earlier remote_every_n_saves, or a stop cut it off)"
     whys = [(x, never) for x in older] + [(x, why) for x in kept]
-    for (local, m, key, name), why in sorted(whys, key=lambda w: w[0][1].seq):
+    for (local, m, key, name), reason in sorted(whys, key=lambda w: w[0][1].seq):
         if d.committer is not None:
             try:
                 with open(os.path.join(d.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
@@ -216,7 +216,7 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str, older: l
                     local,
                 )
         if d.uploader is not None:
-            log.warning("node %d: uploading its part of %s, %s", d.topology.node, local, why)
+            log.warning("node %d: uploading its part of %s, %s", d.topology.node, local, reason)
             d.uploader.enqueue(local, name, key, own_files(m), commit_tag(m))
 
 
