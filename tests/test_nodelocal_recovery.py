@@ -66,7 +66,6 @@ def test_a_global_manifest_the_restore_cannot_read_is_said_not_committed(tmp_pat
     assert (tmp_path / "remote" / "step_000000006" / "manifest.json").exists()
 
 
-@pytest.mark.slow  # three runs of two ranks (about 10 s)
 def test_an_archive_point_never_uploaded_is_uploaded_at_a_restart_that_makes_it_due(tmp_path):
     """remote_every_n_saves=3: the archive point of step 4 (commit 2) is not due, never
     uploaded; step 6 (commit 3) is committed remotely. The restart (every 2nd save) makes it
