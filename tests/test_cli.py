@@ -118,7 +118,9 @@ def test_verify_exit_codes_name_the_bad_file(tmp_path):
     assert cli("verify", root, "--step", "30").returncode == 1
     missing = cli("verify", root, "--step", "99")
     assert missing.returncode == 1 and "no checkpoint of step 99" in missing.stderr
-    assert cli("verify", str(tmp_path / "empty")).returncode == 1
+    assert cli("verify", str(tmp_path / "empty")).returncode == 2  # no such directory: usage
+    os.makedirs(tmp_path / "empty")
+    assert cli("verify", str(tmp_path / "empty")).returncode == 3  # nothing to act on
 
 
 def test_inspect_shows_keys_shapes_dtypes_metrics(tmp_path):
@@ -350,7 +352,7 @@ def test_dir_may_be_one_checkpoint_for_verify_and_inspect(tmp_path):
     assert v.returncode == 0 and [c["step"] for c in json.loads(v.stdout)["checkpoints"]] == [20]
     assert cli("inspect", one).stdout.startswith("step_000000020: step 20, valid")
     g = cli("gc", one)
-    assert g.returncode == 1 and "give its parent directory" in g.stderr
+    assert g.returncode == 2 and "give its parent directory" in g.stderr
 
 
 @pytest.mark.parametrize("command", ["ls", "verify", "inspect", "gc", "push", "export"])
@@ -363,7 +365,7 @@ def test_a_parent_directory_points_at_the_subdirectories_that_hold_checkpoints(t
     extra = {"push": ["memory://nowhere"], "export": [str(tmp_path / "hf")]}
     args = [command, str(parent), *extra.get(command, [])]
     r = cli(*args)
-    assert r.returncode == (0 if command in ("ls", "gc") else 1)
+    assert r.returncode == (0 if command in ("ls", "gc") else 3)  # (3: nothing to act on)
     said = r.stdout + r.stderr
     assert f"no checkpoints in {parent}" in said or f"no checkpoints to push in {parent}" in said
     assert (
@@ -892,10 +894,10 @@ def test_verify_reads_a_remote_store_and_push_verify_repairs_a_same_size_rot(tmp
     assert cli("verify", url, "--all", *o).returncode == 0
     for command in ("ls", "inspect", "gc"):
         r = cli(command, url)
-        assert r.returncode == 1 and "is a remote store's URL" in r.stderr, command
+        assert r.returncode == 2 and "is a remote store's URL" in r.stderr, command
         assert f"resilient-ckpt verify {url}" in r.stderr
     r = cli("verify", root, "-o", "anon=true")
-    assert r.returncode == 1 and "DIR is local here" in r.stderr
+    assert r.returncode == 2 and "DIR is local here" in r.stderr
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save, one process
@@ -916,7 +918,7 @@ def test_verify_of_a_url_holding_plain_dcp_checkpoints_names_them(tmp_path, s3_r
     fs = s3fs.S3FileSystem(**options)
     fs.rm(f"{url[len('s3://') :]}/step_300/.metadata")  # as if the save had stopped there
     r = cli("verify", url, *o)
-    assert r.returncode == 1
+    assert r.returncode == 3  # none of ours: nothing to act on
     said = " ".join(r.stderr.split())
     assert f"step_100, step_200 in {url} are checkpoints written by plain dcp.save" in said, said
     assert (
@@ -976,7 +978,7 @@ def test_a_copy_of_a_checkpoint_under_a_name_of_ones_own_is_checked_alone(tmp_pa
     r = cli("ls", str(copy))
     assert "a run never resumes from it or deletes it, nor does gc" in r.stdout, r.stdout
     r = cli("gc", str(copy))  # said "give its parent directory", as for a step_* folder
-    assert r.returncode == 1 and "a copy of a checkpoint under a name of your own" in r.stderr
+    assert r.returncode == 2 and "a copy of a checkpoint under a name of your own" in r.stderr
     assert f"give the run's directory {root}" in r.stderr and (copy / "manifest.json").exists()
     assert [row["step"] for row in json.loads(cli("ls", str(root), "--json").stdout)] == [
         10,
@@ -1116,11 +1118,11 @@ def test_report_and_export_say_what_to_give_as_the_other_commands_do(tmp_path):
     `inspect` and `gc` say what DIR must be and how to reach a remote store."""
     for args in (("report", "s3://bucket/run1"), ("export", "s3://bucket/run1", "out")):
         r = cli(*args)
-        assert r.returncode == 1 and "is a remote store's URL" in r.stderr, r.stderr
+        assert r.returncode == 2 and "is a remote store's URL" in r.stderr, r.stderr
         assert "resilient-ckpt pull s3://bucket/run1 DIR" in r.stderr
     for args in (("report", str(tmp_path / "nope")), ("export", str(tmp_path / "nope"), "out")):
         r = cli(*args)
-        assert r.returncode == 1 and "the one passed to Checkpointer(...)" in r.stderr, r.stderr
+        assert r.returncode == 2 and "the one passed to Checkpointer(...)" in r.stderr, r.stderr
 
 
 def test_a_quoted_tilde_in_a_path_is_the_home_folder(tmp_path, monkeypatch):

@@ -166,7 +166,7 @@ def test_verify_json_with_nothing_to_check_prints_json(tmp_path, extra):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["verify", str(root), "--json", *extra])
-    assert code == 1
+    assert code == 3  # nothing to act on
     result = json.loads(out.getvalue())
     assert result["ok"] is False and result["verified"] == 0 and result["checkpoints"] == []
     assert "no checkpoint" in err.getvalue()

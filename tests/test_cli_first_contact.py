@@ -366,7 +366,7 @@ def test_a_store_that_refuses_connections_says_what_to_check(tmp_path, monkeypat
     assert "the store did not answer: check that it is up and reachable from here" in line, line
     assert "AWS_ENDPOINT_URL or -o endpoint_url=URL" in line, line
     local = cli("verify", str(tmp_path / "nothing"))  # (a local directory: no such hint)
-    assert local.returncode == 1 and "did not answer" not in local.stderr, local.stderr
+    assert local.returncode == 2 and "did not answer" not in local.stderr, local.stderr
 
 
 def test_pull_and_push_with_their_arguments_swapped_say_the_order(tmp_path):
@@ -378,11 +378,11 @@ def test_pull_and_push_with_their_arguments_swapped_say_the_order(tmp_path):
     make_run(root, steps=(10,))
     url = (tmp_path / "remote").as_uri()
     r = cli("pull", root, url)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"`resilient-ckpt pull {url} {root}`" in r.stderr, r.stderr
     assert "the store's URL first, then the local directory" in r.stderr, r.stderr
     r = cli("push", url, root)
-    assert r.returncode == 1 and r.stderr.count("\n") == 1, r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert f"`resilient-ckpt push {root} {url}`" in r.stderr, r.stderr
     assert "the local directory first, then the store's URL" in r.stderr, r.stderr
     assert not os.path.exists(tmp_path / "remote")
@@ -540,7 +540,7 @@ def test_a_directory_with_only_a_save_that_never_committed_says_so(tmp_path):
     (staging / "shared.safetensors").write_bytes(b"torn")
     for command in ("verify", "inspect"):
         r = cli(command, str(root))
-        assert r.returncode == 1, r.stdout
+        assert r.returncode == 3, r.stdout  # none committed: nothing to act on
         assert f"no checkpoints in {root}" in r.stderr, r.stderr
         assert "only a save that never committed: .staging-step_000000005-0123456789ab" in r.stderr
         assert f"`resilient-ckpt gc {root}` removes it" in r.stderr, r.stderr

@@ -46,7 +46,7 @@ def test_a_url_of_one_remote_checkpoint_names_its_store_and_push_writes_nothing_
         ("gc", root, "--remote", one, "--keep-last", "1"),
     ):
         r = cli(*args)
-        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)  # a usage error
         assert f"is one checkpoint (step 20) of the remote store {url}" in r.stderr, r.stderr
         assert "no checkpoints" not in r.stderr, r.stderr
     assert "--step 20" in cli("verify", one).stderr
@@ -90,14 +90,14 @@ def test_pull_into_one_checkpoint_a_file_or_a_url_is_refused_writing_nothing(tmp
     one = root / "step_000000020"
     before = sorted(os.listdir(one))
     r = cli("pull", url, str(one), "--step", "10")
-    assert r.returncode == 1 and "is one checkpoint, not a directory" in r.stderr, r.stderr
+    assert r.returncode == 2 and "is one checkpoint, not a directory" in r.stderr, r.stderr
     assert sorted(os.listdir(one)) == before
     (tmp_path / "afile").write_text("x")
     r = cli("pull", url, str(tmp_path / "afile"))
-    assert r.returncode == 1 and "not a directory" in r.stderr, r.stderr
+    assert r.returncode == 2 and "not a directory" in r.stderr, r.stderr
     monkeypatch.chdir(tmp_path)
     r = cli("pull", url, "s3://bucket/run1")
-    assert r.returncode == 1 and "pull downloads into a local directory" in r.stderr, r.stderr
+    assert r.returncode == 2 and "pull downloads into a local directory" in r.stderr, r.stderr
     assert not (tmp_path / "s3:").exists()
 
 
@@ -109,12 +109,12 @@ def test_export_to_a_url_and_push_into_the_directory_itself_are_refused(tmp_path
     make_run(str(root))
     monkeypatch.chdir(tmp_path)
     r = cli("export", str(root), "s3://bucket/model")
-    assert r.returncode == 1 and "is a URL: an export is written to a local" in r.stderr, r.stderr
+    assert r.returncode == 2 and "is a URL: an export is written to a local" in r.stderr, r.stderr
     assert not (tmp_path / "s3:").exists()
     before = sorted(os.listdir(root))
     for url in (str(root), f"file://{root}", f"file://{root}/backup"):
         r = cli("push", str(root), url)
-        assert r.returncode == 1 and "already in" not in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 2 and "already in" not in r.stdout, r.stdout + r.stderr
         assert "itself, or lies in it: no second copy" in r.stderr, r.stderr
     assert sorted(os.listdir(root)) == before
     assert cli("push", str(root), str(tmp_path / "elsewhere")).returncode == 0
@@ -134,6 +134,6 @@ def test_ls_gc_and_report_refuse_the_directory_itself_as_its_remote_store(tmp_pa
         ("report", str(root), "--json", "-", "--remote", str(root)),
     ):
         r = cli(*args)
-        assert r.returncode == 1 and '"both"' not in r.stdout, (args, r.stdout, r.stderr)
+        assert r.returncode == 2 and '"both"' not in r.stdout, (args, r.stdout, r.stderr)
         assert "itself, or lies in it: no second copy" in r.stderr, r.stderr
     assert sorted(os.listdir(root)) == before

@@ -69,15 +69,15 @@ def test_verify_url_json_with_nothing_to_check_prints_the_object(tmp_path):
     make_run(root)
     url = f"file://{tmp_path}/remote"
     assert cli("push", root, url).returncode == 0
-    for args in (
-        (f"file://{tmp_path}/empty",),
-        (url, "--step", "99"),
-        (f"{url}/step_000000020",),
+    for args, code in (  # 3: nothing to act on; 1: no such step; 2: a URL that is no store
+        ((f"file://{tmp_path}/empty",), 3),
+        ((url, "--step", "99"), 1),
+        ((f"{url}/step_000000020",), 2),
     ):
         r = _cli_process("verify", *args, "--json")
         assert r.stdout.lstrip().startswith("{"), (args, r.returncode, r.stdout, r.stderr)
         out = json.loads(r.stdout)
-        assert r.returncode == 1 and out["ok"] is False and out["checkpoints"] == [], out
+        assert r.returncode == code and out["ok"] is False and out["checkpoints"] == [], out
         assert r.stderr.startswith("resilient-ckpt verify: "), r.stderr
     r = _cli_process("verify", url, "--json")
     assert r.stdout.lstrip().startswith("{"), (r.returncode, r.stdout, r.stderr)

@@ -14,6 +14,6 @@ def test_a_url_as_the_reports_output_is_refused_not_written_locally(tmp_path, mo
     make_run(root)
     monkeypatch.chdir(tmp_path)
     r = cli("report", root, option, "s3://bucket/report.json")
-    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.returncode == 2, r.stdout + r.stderr  # a usage error
     assert "is a URL: the report is written to a local file" in r.stderr, r.stderr
     assert "wrote" not in r.stdout + r.stderr and not (tmp_path / "s3:").exists()

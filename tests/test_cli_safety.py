@@ -37,21 +37,21 @@ def test_export_force_never_deletes_the_checkpoints_or_a_folder_not_an_export(tm
     models.mkdir()
     (models / "other.bin").write_text("w")
     before = _tree(proj)
-    cases = [
-        (ck, "is the checkpoint directory"),
-        (proj, "holds the checkpoint directory"),
-        (ck / "step_000000002", "lies inside the checkpoint directory"),
-        (ck / "exported", "lies inside the checkpoint directory"),
-        (models, "--force would delete what it holds (other.bin)"),
+    cases = [  # (2: an OUT that can never be right; 1: one whose contents refuse it)
+        (ck, "is the checkpoint directory", 2),
+        (proj, "holds the checkpoint directory", 2),
+        (ck / "step_000000002", "lies inside the checkpoint directory", 2),
+        (ck / "exported", "lies inside the checkpoint directory", 2),
+        (models, "--force would delete what it holds (other.bin)", 1),
     ]
-    for out, said in cases:
+    for out, said, code in cases:
         capsys.readouterr()
-        assert main(["export", str(ck), str(out), "--force"]) == 1, out
+        assert main(["export", str(ck), str(out), "--force"]) == code, out
         err = capsys.readouterr().err
         assert said in err, err
     # DIR given as one checkpoint: its siblings and its directory are refused too
-    assert main(["export", str(ck / "step_000000003"), str(ck / "step_000000002"), "--force"]) == 1
-    assert main(["export", str(ck / "step_000000003"), str(ck), "--force"]) == 1
+    assert main(["export", str(ck / "step_000000003"), str(ck / "step_000000002"), "--force"]) == 2
+    assert main(["export", str(ck / "step_000000003"), str(ck), "--force"]) == 2
     assert _tree(proj) == before
     assert _tree(models) == ["other.bin"]
 

@@ -73,6 +73,6 @@ def test_gc_with_the_nodes_own_directory_as_the_remote_deletes_nothing(tmp_path,
          RC_DIE_IN_COMMIT_AT=8)  # fmt: skip
     node0 = tmp_path / "node0"
     before = _steps(node0)
-    assert main(["gc", str(node0), "--keep-last", "1", "--remote", str(node0)]) == 1
+    assert main(["gc", str(node0), "--keep-last", "1", "--remote", str(node0)]) == 2  # usage
     assert "no second copy" in capsys.readouterr().err
     assert _steps(node0) == before

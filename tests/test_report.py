@@ -112,13 +112,13 @@ def test_report_json_without_matplotlib_and_errors(killed_run: Path, tmp_path: P
     report = json.loads(js.read_text())
     assert report["summary"]["failures"] == 2
     assert [lf["ended"] for lf in report["lives"]] == ["killed", "killed", "clean"]
-    assert cli(["report", str(tmp_path / "nope")]) == 1
+    assert cli(["report", str(tmp_path / "nope")]) == 2  # usage: no such directory
     assert "nope: no such directory (give the directory" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("x")
-    assert cli(["report", str(tmp_path / "a-file")]) == 1
+    assert cli(["report", str(tmp_path / "a-file")]) == 2
     assert "a-file: not a directory" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert cli(["report", str(tmp_path / "empty")]) == 1
+    assert cli(["report", str(tmp_path / "empty")]) == 3  # nothing to act on
     assert "history.jsonl" in capsys.readouterr().err
 
 
@@ -488,15 +488,15 @@ def test_report_of_a_directory_above_the_runs_names_the_ones_below(tmp_path: Pat
     for run in ("interrupted", "uninterrupted"):
         with Checkpointer(tmp_path / "plain" / run / "checkpoints", async_save=False) as ck:
             ck.save(1, {"w": torch.zeros(4)})
-    assert cli(["report", str(tmp_path), "--json"]) == 1
+    assert cli(["report", str(tmp_path), "--json"]) == 3  # nothing to act on (here)
     err = capsys.readouterr().err
     assert "these subdirectories hold checkpoints: plain/interrupted/checkpoints (1), " in err
     assert f"e.g. {tmp_path / 'plain/interrupted/checkpoints'}" in err
     assert "not a directory a Checkpointer wrote" not in err
-    assert cli(["report", str(tmp_path / "plain")]) == 1  # one level less high: the same
+    assert cli(["report", str(tmp_path / "plain")]) == 3  # one level less high: the same
     assert "these subdirectories" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
-    assert cli(["report", str(tmp_path / "empty")]) == 1
+    assert cli(["report", str(tmp_path / "empty")]) == 3
     assert "not a directory a Checkpointer wrote" in capsys.readouterr().err
 
 
@@ -596,7 +596,7 @@ def test_report_never_writes_over_the_runs_own_files(tmp_path: Path, capsys):
         ["--json", str(step / "r.json")],
         ["--output", str(d)],
     ):
-        assert cli(["report", str(d), *args]) == 1, args
+        assert cli(["report", str(d), *args]) == 2, args  # a usage error
         err = capsys.readouterr().err
         assert "checkpoint directory" in err, (args, err)
     after = {p: p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != ".lock"}

@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
         # (export; inspect of a dcp.save checkpoint), cannot swallow a Ctrl-C
         with torch_import_guarded(), blobs_read_once(), reading_said(args.cmd):
             return int(args.fn(args))
-    except CheckpointError as e:
+    except CheckpointError as e:  # 2: an argument that cannot be right; 3: nothing to act on
         print(f"{PROG} {args.cmd}: {e}", file=sys.stderr)
-        return 1
+        return int(getattr(e, "exit_code", 1))
     except BrokenPipeError:  # from a stream other than stdout (see _PipeSafe)
         return 1
     except KeyboardInterrupt:  # what it was doing cleaned up on the way out

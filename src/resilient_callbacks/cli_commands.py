@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import CheckpointError
+from .errors import UsageError
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -25,7 +25,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         return verify_remote(args)
     if args.option:
-        raise CheckpointError("-o/--option sets an option of a remote store: DIR is local here")
+        raise UsageError("-o/--option sets an option of a remote store: DIR is local here")
     from .cli_verify import verify
 
     return verify(args)

@@ -38,9 +38,12 @@ examples:
   resilient-ckpt report ckpts/run1 --output report.html   goodput, failures, saves (--png, --json)
 
 ls, verify, inspect, gc, pull, push and report take --json (typed values, ISO-8601 times).
-Exit codes: 0 success; 1 a checkpoint checked is bad, there is none, or the command failed;
-2 bad usage; 130 Ctrl-C. ls, gc and report exit 0 whatever the checkpoints' states (they list
-them): verify's exit code says whether they are good.
+Exit codes: 0 success; 1 the command ran and failed (a checkpoint checked is bad, the store
+cannot be reached, the directory is locked); 2 bad usage (also a DIR that does not exist, a URL
+where a local directory belongs); 3 nothing to act on (no checkpoint in DIR or the store: verify,
+inspect, export, pull, push, report); 130 Ctrl-C. ls, gc and report exit 0 whatever the
+checkpoints' states (they list them; ls of an empty directory too): verify's exit code says
+whether they are good.
 Run `resilient-ckpt COMMAND --help` for a command's options; docs/cli.md has more."""
 
 DIR_HELP = "the checkpoint directory (the one given to Checkpointer or ResilientCheckpoint)"
@@ -137,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         "check files' sizes and checksums (the newest checkpoint; --all: every one)",
         "Check every file of a checkpoint against its manifest: present, same size, same\n"
-        "checksum. Without --step or --all: the newest checkpoint. Exits 1 if one checked is bad.\n"
+        "checksum. Without --step or --all: the newest checkpoint. Exits 1 if one checked is bad,\n"
+        "3 if there is none.\n"
         "DIR may be a remote store's URL (s3://bucket/run1): its copies are read where they lie,\n"
         "nothing is written to local disk.",
     )

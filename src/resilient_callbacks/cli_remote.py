@@ -16,7 +16,12 @@ from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
 from .cli_scan import is_url, no_checkpoints, resolve
-from .errors import CheckpointError, CheckpointLockedError, CheckpointNotFoundError
+from .errors import (
+    CheckpointError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    UsageError,
+)
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME
 from .redact import command
@@ -57,14 +62,14 @@ def store(
         and st.is_local
         and (os.path.realpath(st.root) + os.sep).startswith(here + os.sep)
     ):
-        raise CheckpointError(
+        raise UsageError(
             f"the store {url} is the directory {beside} itself, or lies in it: no second copy; "
             "give the run's remote store (another disk, an object store)"
         )
     step = one_checkpoint(st)
     if step is not None:
         parent = st.url.rsplit("/", 1)[0]
-        raise CheckpointNotFoundError(
+        raise UsageError(
             f"{st.url} is one checkpoint (step {step}) of the remote store {parent}, not a "
             f"store of checkpoints: give {parent}"
             + (f" with --step {step} for this checkpoint" if step_option else "")
@@ -243,12 +248,12 @@ def pull(args: argparse.Namespace) -> int:
     from . import pulling
 
     if is_url(args.dir) and not is_url(args.url):  # (push's order: DIR URL)
-        raise CheckpointError(
+        raise UsageError(
             f"{args.dir} is a URL: pull takes the store's URL first, then the local directory "
             f"to download into: {command('pull', args.dir, args.url)}"
         )
     if is_url(args.dir):  # (a local folder named "s3:" would be made, and said as the URL)
-        raise CheckpointError(
+        raise UsageError(
             f"{args.dir} is a URL: pull downloads into a local directory; give one, e.g. "
             f"{command('pull', args.url, 'ckpts/run1')}"
         )
@@ -302,7 +307,7 @@ def push(args: argparse.Namespace) -> int:
     from .progress import Progress
 
     if is_url(args.dir) and not is_url(args.url):  # (pull's order: URL DIR)
-        raise CheckpointError(
+        raise UsageError(
             f"{args.dir} is a URL: push takes the local directory first, then the store's URL: "
             f"{command('push', args.url, args.dir)}"
         )

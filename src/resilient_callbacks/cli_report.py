@@ -14,7 +14,7 @@ from typing import Any
 from . import catalog, history
 from .cli_format import iso_time, jsonable
 from .cli_scan import no_checkpoints, resolve
-from .errors import CheckpointNotFoundError, ConfigError
+from .errors import CheckpointNotFoundError, NoCheckpointsError, UsageError
 from .export_target import within
 
 
@@ -25,13 +25,13 @@ def report(args: argparse.Namespace) -> int:
     root = os.path.abspath(resolve(args.dir, single_ok=False).root)
     if not rep.history_exists(root):
         if _node_part(root):
-            raise CheckpointNotFoundError(
+            raise NoCheckpointsError(
                 f"{args.dir} has no history.jsonl: it holds another node's parts of a "
                 "node-local run, whose history is kept on rank 0's node (the dirpath there)"
             )
         if catalog.holders(root):  # `report demo_output`: the runs are further down
             raise no_checkpoints(args.dir, what="history.jsonl")
-        raise CheckpointNotFoundError(
+        raise NoCheckpointsError(
             f"{args.dir} has no history.jsonl: it is not a directory a Checkpointer wrote "
             "(or its runs predate the history)"
         )
@@ -58,7 +58,7 @@ def report(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     data["remote"] = remote.url if remote is not None else None
-    if data.get("missing"):  # a history file without one start of a run: nothing to plot
+    if data.get("missing"):  # no such --run, or no start of a run: failed (as --step N), exit 1
         raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
     for target in (args.json, args.png, args.output or "report.html"):
         if target and target != "-":
@@ -140,15 +140,15 @@ def _refuse_run_file(root: str, shown: str, path: str) -> None:
     file directly in it, never its ``history.jsonl``, ``latest`` or anything in a checkpoint's
     folder (``report DIR --json DIR/history.jsonl`` replaced the history with the report)."""
     if "://" in path and not os.path.exists(path):  # (made a local folder named "s3:")
-        raise ConfigError(f"{path} is a URL: the report is written to a local file; give one")
+        raise UsageError(f"{path} is a URL: the report is written to a local file; give one")
     target, run = os.path.realpath(path), os.path.realpath(root)
     if target == run:
-        raise ConfigError(f"{path} is the checkpoint directory itself")
+        raise UsageError(f"{path} is the checkpoint directory itself")
     if not within(target, run):
         return
     if os.path.dirname(target) == run and target.lower().endswith(_REPORT_SUFFIXES):
         return
-    raise ConfigError(
+    raise UsageError(
         f"{path} lies in the checkpoint directory {shown} and could replace the run's "
         "own files (its history, a checkpoint); write the report elsewhere, or as a new "
         ".html/.png/.json file directly in the directory"

@@ -40,11 +40,12 @@ def verify(args: argparse.Namespace) -> int:
         except CheckpointNotFoundError as nothing:
             if not args.json:
                 raise
-            # nothing to check (exit 1): still the object a script parses, the note on stderr
+            # nothing to check (exit 3, 1 for a --step not there): still the object a script
+            # parses, the note on stderr
             scope = "step" if args.step is not None else "all" if args.all else "newest"
             report_verified(args, target.root, scope, [], 0)
             print(f"resilient-ckpt verify: {nothing}", file=sys.stderr)
-            return 1
+            return int(getattr(nothing, "exit_code", 1))
         for e in chosen:
             check(e)
         if all(e.status is not Status.INCOMPLETE for e in chosen):

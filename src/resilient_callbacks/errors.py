@@ -30,6 +30,23 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A requested checkpoint (explicit step or path) does not exist."""
 
 
+class UsageError(ConfigError):
+    """An argument that cannot be right whatever the directory or store holds: a URL where a
+    local directory belongs (or the reverse), a path that names nothing, one checkpoint where
+    a directory of them belongs, an output inside the checkpoint directory. Not exported: a
+    :class:`ConfigError` to the Python API; ``resilient-ckpt`` exits 2 with it (docs/cli.md)."""
+
+    exit_code = 2
+
+
+class NoCheckpointsError(CheckpointNotFoundError):
+    """The directory or remote store holds no checkpoint at all (empty, another tool's files
+    only, or ours only further down). Not exported: a :class:`CheckpointNotFoundError` to the
+    Python API; ``resilient-ckpt`` exits 3 with it, nothing to act on (docs/cli.md)."""
+
+    exit_code = 3
+
+
 class CheckpointCorruptError(CheckpointError, OSError):
     """A checkpoint's files do not match its manifest (missing, wrong size, wrong checksum)."""
 

@@ -20,7 +20,12 @@ from collections.abc import Callable
 from . import branches, catalog, redact, stall
 from .catalog import Depth
 from .commit import fsync_dir, remove_checkpoint, sweep_staging
-from .errors import CheckpointCorruptError, CheckpointError, CheckpointNotFoundError
+from .errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    NoCheckpointsError,
+)
 from .lock import DirLock
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .remote import RemoteEntry, RemoteStore
@@ -33,7 +38,8 @@ def usable(
     st: RemoteStore, step: int | None = None, passed: list[RemoteEntry] | None = None
 ) -> list[RemoteEntry]:
     """The committed remote checkpoints whose listed sizes match their manifests (of ``step``
-    only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none.
+    only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none
+    (:class:`NoCheckpointsError` where the store holds no committed checkpoint at all).
     ``passed`` (without ``step``): filled with the checkpoints listed after the newest of them
     that are not (torn, or without a manifest yet), for the caller to say."""
     listed = stall.run(st.scan, f"listing {st.url}", who="the pull")
@@ -49,7 +55,8 @@ def usable(
         bad = "" if not remote else f" ({len(remote)} with files missing or of the wrong size)"
         if not remote and step is not None and steps:  # (as verify and inspect say it)
             bad = f" (its steps: {', '.join(map(str, steps))})"
-        raise CheckpointNotFoundError(f"{what} in {st.url}{bad}")
+        # (none committed at all: NoCheckpointsError, resilient-ckpt pull's exit 3)
+        raise (CheckpointNotFoundError if steps else NoCheckpointsError)(f"{what} in {st.url}{bad}")
     if passed is not None and step is None:  # (committed by commit order, then the rest)
         after = listed[next(i for i, e in enumerate(listed) if e is good[-1]) + 1 :]
         top = good[-1].manifest.step if good[-1].manifest is not None else 0
