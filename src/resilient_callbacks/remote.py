@@ -52,6 +52,7 @@ from .remote_listing import (  # noqa: F401 (re-exported: their old home)
     retention_candidates,
 )
 from .remote_objects import ManifestLastCommit, check_uploaded
+from .remote_url import azure_account_hint, pinned, refuse_cache
 from .store_key import IDENTITY_OPTIONS, store_identity  # noqa: F401 (re-exported: their old home)
 
 log = logging.getLogger("resilient_callbacks")
@@ -89,17 +90,19 @@ class RemoteStore:
         try:
             # importing the backend may draw from the global RNGs (see global_rngs)
             with preserved():
-                self.fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **self.options)
+                self.fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **pinned(url, self.options))
         except ImportError as e:
             raise RemoteUnavailableError(
                 f"remote={self.url!r}: the filesystem for this URL is not installed ({e}). For "
                 "s3:// install `resilient-callbacks[s3]` (s3fs); for gs:// gcsfs; for az:// adlfs."
+                + azure_account_hint(url, self.options)
             ) from e
         except (TypeError, ValueError) as e:
             raise RemoteUnavailableError(
                 f"remote={self.url!r} with remote_options {options_text(self.options)}: "
                 f"{url_text(str(e))}{_scheme_hint(url)}"
             ) from e
+        refuse_cache(self.fs, url)
         self.root = root.rstrip("/")
         proto = self.fs.protocol
         self.protocol = proto if isinstance(proto, str) else proto[0]

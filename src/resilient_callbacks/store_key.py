@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["IDENTITY_OPTIONS", "store_identity"]
+__all__ = ["IDENTITY_OPTIONS", "configured_endpoint", "store_identity"]
 
 
 #: storage options (any depth, names compared in lower case) that say which service or
@@ -67,11 +67,8 @@ def store_identity(options: Mapping[str, Any], protocol: str = "") -> dict[str, 
 
     walk(options)
     out = {name: _normal(values[0]) for name, values in found.items()}
-    if "endpoint_url" not in out:
-        for var in _ENV_ENDPOINTS.get(protocol, ()):
-            if (value := os.environ.get(var, "").strip()) and not _env_endpoints_ignored():
-                out["endpoint_url"] = _normal(value if "://" in value else f"http://{value}")
-                break
+    if "endpoint_url" not in out and (value := configured_endpoint(protocol, options)):
+        out["endpoint_url"] = _normal(value)
     host = urlsplit(out.get("endpoint_url", "")).hostname or ""
     if host and _public(protocol, host):
         del out["endpoint_url"]
@@ -107,6 +104,40 @@ _ENV_ENDPOINTS = {
 _AZURE = ("az", "abfs", "abfss", "adl")
 _AZURE_HOST = re.compile(r"^([a-z0-9]+)\.(?:blob|dfs)\.core\.windows\.net$")
 _DEFAULT_PORTS = {"http": 80, "https": 443, "sftp": 22, "ssh": 22, "ftp": 21, "smb": 445}
+
+
+def configured_endpoint(protocol: str, options: Mapping[str, Any]) -> str:
+    """The endpoint the client of ``protocol`` takes where ``options`` give none, "" if none: on
+    S3 (as botocore looks it up) ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, then the AWS
+    config file's profile (``-o profile=NAME``, else ``AWS_PROFILE``): its ``services``
+    section's ``s3`` ``endpoint_url``, then its own ``endpoint_url``; on GCS
+    ``STORAGE_EMULATOR_HOST``. Without the profile's, two servers reached by two profiles
+    were one store to the claims (a second writer refused as another run's)."""
+    for var in _ENV_ENDPOINTS.get(protocol, ()):
+        if (value := os.environ.get(var, "").strip()) and not _env_endpoints_ignored():
+            return value if "://" in value else f"http://{value}"
+    if protocol not in ("s3", "s3a") or _env_endpoints_ignored():
+        return ""
+    return _profile_endpoint(options.get("profile"))
+
+
+def _profile_endpoint(profile: Any) -> str:
+    """The S3 endpoint the AWS config file gives ``profile`` (None: the one botocore picks,
+    ``AWS_PROFILE`` or the default); "" where none, or botocore cannot read it."""
+    try:
+        import botocore.session
+    except ImportError:  # (no s3fs either: the store cannot be opened, said there)
+        return ""
+    try:
+        session = botocore.session.Session(profile=str(profile) if profile else None)
+        scoped = session.get_scoped_config()
+        if str(scoped.get("ignore_configured_endpoint_urls", "")).lower() == "true":
+            return ""
+        services = session.full_config.get("services", {}).get(scoped.get("services", ""), {})
+        value = services.get("s3", {}).get("endpoint_url") or scoped.get("endpoint_url")
+    except Exception:  # a profile that is not there: s3fs's own error says so when it opens
+        return ""
+    return str(value or "").strip()
 
 
 def _env_endpoints_ignored() -> bool:

@@ -1,0 +1,73 @@
+"""How :class:`.remote.RemoteStore` opens a URL with fsspec: the options it is given (an
+``s3://`` endpoint from the environment or the AWS profile pinned, :func:`pinned`), the URLs
+refused (behind fsspec's local cache, :func:`refuse_cache`), and what a missing Azure
+filesystem's error adds (:func:`azure_account_hint`). Which ranks call what: whoever opens a
+remote store; nothing collective.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import fsspec
+
+from .errors import UsageError
+from .redact import url_text
+from .store_key import configured_endpoint, store_identity
+
+__all__ = ["azure_account_hint", "pinned", "refuse_cache"]
+
+
+def azure_account_hint(url: str, options: Mapping[str, Any]) -> str:
+    """For an ``az://``/``abfs://`` URL whose options and environment name no storage account
+    (adlfs cannot open it without one, and said so only once installed): what to give."""
+    protocol = fsspec.core.split_protocol(url)[0] or ""
+    if protocol not in ("az", "abfs", "abfss") or "account_name" in store_identity(
+        options, protocol
+    ):
+        return ""
+    if any(
+        os.environ.get(v) for v in ("AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_CONNECTION_STRING")
+    ):
+        return ""
+    return (
+        " adlfs also needs the storage account, which neither the URL's options nor the "
+        "environment name: remote_options={'account_name': 'NAME'} (resilient-ckpt: -o "
+        "account_name=NAME) or AZURE_STORAGE_ACCOUNT_NAME, with a credential (account_key, "
+        "sas_token), or a connection_string (AZURE_STORAGE_CONNECTION_STRING)."
+    )
+
+
+def pinned(url: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` for opening ``url``, with the endpoint an ``s3://`` client takes from the
+    environment or the AWS profile (:func:`.store_key.configured_endpoint`) given as
+    ``endpoint_url`` where they name none: fsspec keeps one filesystem per set of options,
+    so one opened under ``AWS_ENDPOINT_URL=A`` (or ``AWS_PROFILE``) was used again for the
+    same URL after it changed to B, writing to A what the store's key said was B's."""
+    protocol = fsspec.core.split_protocol(url)[0] or ""
+    if protocol not in ("s3", "s3a") or "endpoint_url" in store_identity(options):
+        return options
+    endpoint = configured_endpoint(protocol, options)
+    return {**options, "endpoint_url": endpoint} if endpoint else options
+
+
+def refuse_cache(fs: Any, url: str) -> None:
+    """A :class:`UsageError` (a :class:`ConfigError`; exit 2 in the CLI) for a URL behind fsspec's local cache (``simplecache::``,
+    ``filecache::``, ``blockcache::``): it keeps the first copy of an object it read, and the
+    store's manifests, claims and commit marks change (a manifest read again after a push
+    replaced it, or in a later run of the process, was the old one); the store behind it was
+    also a second store to the claims (its own key), so two writers could write it at once."""
+    from fsspec.implementations.cached import CachingFileSystem
+
+    if isinstance(fs, CachingFileSystem):
+        link = url.split("::", 1)[0]
+        plain = url_text(url.split("::")[-1].rstrip("/"))
+        raise UsageError(
+            f"remote={url_text(url)!r}: a URL behind fsspec's local cache ({link}::) is not "
+            "taken: the cache keeps the first copy of a manifest, claim or commit mark it "
+            "read, and these change, so a stale one would be believed. Nothing was read or "
+            f"written. Give the store's own URL, {plain!r}: every download is verified and "
+            "written to the local directory already, so the cache saves nothing"
+        )
