@@ -156,7 +156,8 @@ def test_gc_dry_run_leaves_out_what_the_writers_retention_deleted_while_it_read(
 def test_verify_json_with_nothing_to_check_prints_json(tmp_path, extra):
     """`verify DIR --json` printed nothing on stdout when DIR held no checkpoint (or none of
     step N), unlike `ls --json` (`[]`) and `gc --json`: a monitoring script's `jq .ok` got no
-    input. It prints the object, `"ok": false`, the note on stderr, and exits 1 as before."""
+    input. It prints the object, `"ok": false`, the note on stderr, and exits 3 (nothing to act on;
+    1 for a step N not there)."""
     from resilient_callbacks.cli import main
 
     root = tmp_path / "ck"
@@ -166,7 +167,7 @@ def test_verify_json_with_nothing_to_check_prints_json(tmp_path, extra):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(["verify", str(root), "--json", *extra])
-    assert code == 3  # nothing to act on
+    assert code == (1 if extra[:1] == ["--step"] else 3)  # 3: nothing to act on; 1: no step 99
     result = json.loads(out.getvalue())
     assert result["ok"] is False and result["verified"] == 0 and result["checkpoints"] == []
     assert "no checkpoint" in err.getvalue()

@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             return int(args.fn(args))
     except CheckpointError as e:  # 2: an argument that cannot be right; 3: nothing to act on
         print(f"{PROG} {args.cmd}: {e}", file=sys.stderr)
-        return int(getattr(e, "exit_code", 1))
+        return e.exit_code
     except BrokenPipeError:  # from a stream other than stdout (see _PipeSafe)
         return 1
     except KeyboardInterrupt:  # what it was doing cleaned up on the way out

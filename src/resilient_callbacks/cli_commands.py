@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from .errors import UsageError
+from .errors import CheckpointError, usage
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -25,7 +25,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
         return verify_remote(args)
     if args.option:
-        raise UsageError("-o/--option sets an option of a remote store: DIR is local here")
+        raise usage(
+            CheckpointError("-o/--option sets an option of a remote store: DIR is local here")
+        )
     from .cli_verify import verify
 
     return verify(args)

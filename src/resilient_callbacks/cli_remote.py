@@ -20,7 +20,7 @@ from .errors import (
     CheckpointError,
     CheckpointLockedError,
     CheckpointNotFoundError,
-    UsageError,
+    usage,
 )
 from .lock import DirLock, writer_alive
 from .manifest import MANIFEST_NAME
@@ -62,17 +62,21 @@ def store(
         and st.is_local
         and (os.path.realpath(st.root) + os.sep).startswith(here + os.sep)
     ):
-        raise UsageError(
-            f"the store {url} is the directory {beside} itself, or lies in it: no second copy; "
-            "give the run's remote store (another disk, an object store)"
+        raise usage(
+            CheckpointError(
+                f"the store {url} is the directory {beside} itself, or lies in it: no second copy; "
+                "give the run's remote store (another disk, an object store)"
+            )
         )
     step = one_checkpoint(st)
     if step is not None:
         parent = st.url.rsplit("/", 1)[0]
-        raise UsageError(
-            f"{st.url} is one checkpoint (step {step}) of the remote store {parent}, not a "
-            f"store of checkpoints: give {parent}"
-            + (f" with --step {step} for this checkpoint" if step_option else "")
+        raise usage(
+            CheckpointNotFoundError(
+                f"{st.url} is one checkpoint (step {step}) of the remote store {parent}, not a "
+                f"store of checkpoints: give {parent}"
+                + (f" with --step {step} for this checkpoint" if step_option else "")
+            )
         )
     return st
 
@@ -248,14 +252,18 @@ def pull(args: argparse.Namespace) -> int:
     from . import pulling
 
     if is_url(args.dir) and not is_url(args.url):  # (push's order: DIR URL)
-        raise UsageError(
-            f"{args.dir} is a URL: pull takes the store's URL first, then the local directory "
-            f"to download into: {command('pull', args.dir, args.url)}"
+        raise usage(
+            CheckpointError(
+                f"{args.dir} is a URL: pull takes the store's URL first, then the local directory "
+                f"to download into: {command('pull', args.dir, args.url)}"
+            )
         )
     if is_url(args.dir):  # (a local folder named "s3:" would be made, and said as the URL)
-        raise UsageError(
-            f"{args.dir} is a URL: pull downloads into a local directory; give one, e.g. "
-            f"{command('pull', args.url, 'ckpts/run1')}"
+        raise usage(
+            CheckpointError(
+                f"{args.dir} is a URL: pull downloads into a local directory; give one, e.g. "
+                f"{command('pull', args.url, 'ckpts/run1')}"
+            )
         )
     if os.path.exists(args.dir):  # a file, or one checkpoint (a pull would nest in it)
         resolve(args.dir, single_ok=False)
@@ -307,9 +315,11 @@ def push(args: argparse.Namespace) -> int:
     from .progress import Progress
 
     if is_url(args.dir) and not is_url(args.url):  # (pull's order: URL DIR)
-        raise UsageError(
-            f"{args.dir} is a URL: push takes the local directory first, then the store's URL: "
-            f"{command('push', args.url, args.dir)}"
+        raise usage(
+            CheckpointError(
+                f"{args.dir} is a URL: push takes the local directory first, then the store's URL: "
+                f"{command('push', args.url, args.dir)}"
+            )
         )
     target = resolve(args.dir, single_ok=False)
     if not catalog.committed(catalog.scan(target.root, Depth.NONE)):

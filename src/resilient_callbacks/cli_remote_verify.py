@@ -12,7 +12,7 @@ from .catalog import PLAIN_DCP_METADATA
 from .cli_format import iso_time
 from .cli_remote import UPLOADING_OR_CUT, _damage, store
 from .cli_scan import report_verified
-from .errors import CheckpointNotFoundError, NoCheckpointsError, UsageError
+from .errors import CheckpointNotFoundError, ConfigError, nothing_found
 from .redact import command, url_text
 from .remote import RemoteEntry, RemoteStore
 
@@ -22,14 +22,14 @@ def verify(args: argparse.Namespace) -> int:
     nothing to check and ``--json``, the object a script parses still (as ``verify DIR``)."""
     try:
         return _verify(args)
-    except (CheckpointNotFoundError, UsageError) as nothing:  # (a URL of one checkpoint: 2)
+    except (CheckpointNotFoundError, ConfigError) as nothing:  # (a URL of one checkpoint: 2)
         if not args.json:
             raise
         scope = "step" if args.step is not None else "all" if args.all else "newest"
         where = url_text(args.dir.rstrip("/"))  # (as the store shows its URL: no secrets)
         report_verified(args, where, scope, [], 0, what="remote checkpoint(s)")
         print(f"resilient-ckpt verify: {nothing}", file=sys.stderr)
-        return int(getattr(nothing, "exit_code", 1))  # (3: the store holds none)
+        return nothing.exit_code  # (3: the store holds none)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -42,7 +42,7 @@ def _verify(args: argparse.Namespace) -> int:
         unreadable = len(_damage(remote)[1])
         some = f" ({unreadable} with an unreadable manifest)" if unreadable else ""
         note = plain_dcp_note(st, remote)
-        raise NoCheckpointsError(f"no checkpoints in {st.url}{some}{note}")
+        raise nothing_found(CheckpointNotFoundError(f"no checkpoints in {st.url}{some}{note}"))
     steps = {e.name: e.manifest.step for e in committed if e.manifest is not None}
     if args.step is not None:
         scope, chosen = "step", [e for e in committed if steps[e.name] == args.step]

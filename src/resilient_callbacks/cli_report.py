@@ -14,7 +14,7 @@ from typing import Any
 from . import catalog, history
 from .cli_format import iso_time, jsonable
 from .cli_scan import no_checkpoints, resolve
-from .errors import CheckpointNotFoundError, NoCheckpointsError, UsageError
+from .errors import CheckpointNotFoundError, ConfigError, nothing_found, usage
 from .export_target import within
 
 
@@ -25,15 +25,19 @@ def report(args: argparse.Namespace) -> int:
     root = os.path.abspath(resolve(args.dir, single_ok=False).root)
     if not rep.history_exists(root):
         if _node_part(root):
-            raise NoCheckpointsError(
-                f"{args.dir} has no history.jsonl: it holds another node's parts of a "
-                "node-local run, whose history is kept on rank 0's node (the dirpath there)"
+            raise nothing_found(
+                CheckpointNotFoundError(
+                    f"{args.dir} has no history.jsonl: it holds another node's parts of a "
+                    "node-local run, whose history is kept on rank 0's node (the dirpath there)"
+                )
             )
         if catalog.holders(root):  # `report demo_output`: the runs are further down
             raise no_checkpoints(args.dir, what="history.jsonl")
-        raise NoCheckpointsError(
-            f"{args.dir} has no history.jsonl: it is not a directory a Checkpointer wrote "
-            "(or its runs predate the history)"
+        raise nothing_found(
+            CheckpointNotFoundError(
+                f"{args.dir} has no history.jsonl: it is not a directory a Checkpointer wrote "
+                "(or its runs predate the history)"
+            )
         )
     remote = None
     if args.remote:
@@ -140,18 +144,22 @@ def _refuse_run_file(root: str, shown: str, path: str) -> None:
     file directly in it, never its ``history.jsonl``, ``latest`` or anything in a checkpoint's
     folder (``report DIR --json DIR/history.jsonl`` replaced the history with the report)."""
     if "://" in path and not os.path.exists(path):  # (made a local folder named "s3:")
-        raise UsageError(f"{path} is a URL: the report is written to a local file; give one")
+        raise usage(
+            ConfigError(f"{path} is a URL: the report is written to a local file; give one")
+        )
     target, run = os.path.realpath(path), os.path.realpath(root)
     if target == run:
-        raise UsageError(f"{path} is the checkpoint directory itself")
+        raise usage(ConfigError(f"{path} is the checkpoint directory itself"))
     if not within(target, run):
         return
     if os.path.dirname(target) == run and target.lower().endswith(_REPORT_SUFFIXES):
         return
-    raise UsageError(
-        f"{path} lies in the checkpoint directory {shown} and could replace the run's "
-        "own files (its history, a checkpoint); write the report elsewhere, or as a new "
-        ".html/.png/.json file directly in the directory"
+    raise usage(
+        ConfigError(
+            f"{path} lies in the checkpoint directory {shown} and could replace the run's "
+            "own files (its history, a checkpoint); write the report elsewhere, or as a new "
+            ".html/.png/.json file directly in the directory"
+        )
     )
 
 

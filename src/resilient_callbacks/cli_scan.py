@@ -31,7 +31,7 @@ from .cli_format import (
     print_json,
 )
 from .commit import CKPT_RE, STAGING_PREFIX
-from .errors import CheckpointNotFoundError, NoCheckpointsError, UsageError
+from .errors import CheckpointNotFoundError, nothing_found, usage
 from .manifest import MANIFEST_NAME
 from .redact import command
 
@@ -52,34 +52,44 @@ def is_url(path: str) -> bool:
 def resolve(path: str, *, single_ok: bool = True) -> Target:
     """The checkpoint directory ``path`` names. ``path`` may also be one checkpoint in it (a
     directory holding ``manifest.json``) where ``single_ok``. A path that cannot be one (a URL,
-    nothing, a file, one checkpoint where not ``single_ok``): :class:`UsageError` (exit 2)."""
+    nothing, a file, one checkpoint where not ``single_ok``): marked a usage error (exit 2)."""
     if is_url(path):
-        raise UsageError(
-            f"{path} is a remote store's URL; this command reads a local checkpoint directory. "
-            f"For the remote store: {command('ls', 'DIR', '--remote', path)} lists its copies "
-            f"beside the local ones, {command('verify', path)} checks their checksums, and "
-            f"{command('pull', path, 'DIR')} downloads one, verified"
+        raise usage(
+            CheckpointNotFoundError(
+                f"{path} is a remote store's URL; this command reads a local checkpoint directory. "
+                f"For the remote store: {command('ls', 'DIR', '--remote', path)} lists its copies "
+                f"beside the local ones, {command('verify', path)} checks their checksums, and "
+                f"{command('pull', path, 'DIR')} downloads one, verified"
+            )
         )
     if not os.path.exists(path):
-        raise UsageError(
-            f"{path}: no such directory (give the directory the checkpoints were saved to, the "
-            "one passed to Checkpointer(...) or ResilientCheckpoint(...))"
+        raise usage(
+            CheckpointNotFoundError(
+                f"{path}: no such directory (give the directory the checkpoints were saved to, the "
+                "one passed to Checkpointer(...) or ResilientCheckpoint(...))"
+            )
         )
     if not os.path.isdir(path):
-        raise UsageError(f"{path}: not a directory; give a checkpoint directory")
+        raise usage(
+            CheckpointNotFoundError(f"{path}: not a directory; give a checkpoint directory")
+        )
     if os.path.exists(os.path.join(path, MANIFEST_NAME)):
         parent = os.path.dirname(os.path.abspath(path))
         if not single_ok:
             name = os.path.basename(os.path.abspath(path))
             if not CKPT_RE.match(name):  # a copy under a name of one's own: gc leaves it alone
-                raise UsageError(
-                    f"{path} is a copy of a checkpoint under a name of your own, not a "
-                    f"directory of checkpoints: give the run's directory {parent} (gc never "
-                    "deletes such a copy, nor pushes it; remove it yourself when done)"
+                raise usage(
+                    CheckpointNotFoundError(
+                        f"{path} is a copy of a checkpoint under a name of your own, not a "
+                        f"directory of checkpoints: give the run's directory {parent} (gc never "
+                        "deletes such a copy, nor pushes it; remove it yourself when done)"
+                    )
                 )
-            raise UsageError(
-                f"{path} is one checkpoint, not a directory of checkpoints; give its parent "
-                f"directory {parent}"
+            raise usage(
+                CheckpointNotFoundError(
+                    f"{path} is one checkpoint, not a directory of checkpoints; give its parent "
+                    f"directory {parent}"
+                )
             )
         return Target(parent, os.path.basename(os.path.abspath(path)))
     return Target(path)
@@ -200,7 +210,7 @@ NOT_LOADED = (
 def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundError:
     """The error for a directory without checkpoints, naming the subdirectories that hold some
     (``ls demo_output`` where the checkpoints are in ``demo_output/run1/checkpoints``):
-    :class:`NoCheckpointsError` (exit 3), but for a ``step_<n>`` folder without a manifest given
+    marked :func:`.errors.nothing_found` (exit 3), but for a ``step_<n>`` folder without a manifest given
     as ``path`` (a damaged checkpoint: exit 1)."""
     if (
         CKPT_RE.match(os.path.basename(os.path.normpath(path)))
@@ -218,12 +228,14 @@ def no_checkpoints(path: str, what: str = "checkpoints") -> CheckpointNotFoundEr
     subs = catalog.holders(path)
     if not subs:
         note = note or other_tools_note(path) or _uncommitted_note(path)
-        return NoCheckpointsError(f"no {what} in {path}{note}")
+        return nothing_found(CheckpointNotFoundError(f"no {what} in {path}{note}"))
     listed = ", ".join(f"{sub} ({n})" for sub, n in subs)
     first = os.path.join(path, subs[0][0])
-    return NoCheckpointsError(
-        f"no {what} in {path}; these subdirectories hold checkpoints: {listed} "
-        f"(give one of them, e.g. {first}){note}"
+    return nothing_found(
+        CheckpointNotFoundError(
+            f"no {what} in {path}; these subdirectories hold checkpoints: {listed} "
+            f"(give one of them, e.g. {first}){note}"
+        )
     )
 
 

@@ -45,7 +45,7 @@ def verify(args: argparse.Namespace) -> int:
             scope = "step" if args.step is not None else "all" if args.all else "newest"
             report_verified(args, target.root, scope, [], 0)
             print(f"resilient-ckpt verify: {nothing}", file=sys.stderr)
-            return int(getattr(nothing, "exit_code", 1))
+            return nothing.exit_code
         for e in chosen:
             check(e)
         if all(e.status is not Status.INCOMPLETE for e in chosen):

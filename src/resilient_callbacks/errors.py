@@ -12,10 +12,15 @@ import os
 import re
 import sys
 import warnings
+from typing import TypeVar
 
 
 class CheckpointError(Exception):
     """Base class of every error raised by resilient_callbacks."""
+
+    #: the exit status ``resilient-ckpt`` gives for it (docs/cli.md, "Exit codes"): 1, the
+    #: command ran and failed; 2 where :func:`usage` marked it, 3 where :func:`nothing_found` did
+    exit_code: int = 1
 
 
 class ConfigError(CheckpointError, ValueError):
@@ -28,23 +33,6 @@ class UnknownOptionError(ConfigError, TypeError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """A requested checkpoint (explicit step or path) does not exist."""
-
-
-class UsageError(ConfigError):
-    """An argument that cannot be right whatever the directory or store holds: a URL where a
-    local directory belongs (or the reverse), a path that names nothing, one checkpoint where
-    a directory of them belongs, an output inside the checkpoint directory. Not exported: a
-    :class:`ConfigError` to the Python API; ``resilient-ckpt`` exits 2 with it (docs/cli.md)."""
-
-    exit_code = 2
-
-
-class NoCheckpointsError(CheckpointNotFoundError):
-    """The directory or remote store holds no checkpoint at all (empty, another tool's files
-    only, or ours only further down). Not exported: a :class:`CheckpointNotFoundError` to the
-    Python API; ``resilient-ckpt`` exits 3 with it, nothing to act on (docs/cli.md)."""
-
-    exit_code = 3
 
 
 class CheckpointCorruptError(CheckpointError, OSError):
@@ -172,6 +160,26 @@ class ForeignCheckpointsWarning(UserWarning):
 
 
 __all__ += ["ForeignCheckpointsWarning", "ResumeFallbackWarning"]
+
+
+_E = TypeVar("_E", bound=CheckpointError)
+
+
+def usage(error: _E) -> _E:
+    """``error``, its type unchanged, marked as a usage error: an argument that cannot be right
+    whatever the directory or store holds (a URL where a local directory belongs or the reverse,
+    a path that names nothing, one checkpoint where a directory of them belongs, an output
+    inside the checkpoint directory). ``resilient-ckpt`` exits 2 with it."""
+    error.exit_code = 2
+    return error
+
+
+def nothing_found(error: _E) -> _E:
+    """``error``, its type unchanged, marked as "nothing to act on": the directory or remote
+    store holds no checkpoint at all (empty, another tool's files only, or ours only further
+    down). ``resilient-ckpt`` exits 3 with it."""
+    error.exit_code = 3
+    return error
 
 
 #: ``warn_and_log(..., stacklevel=AT_CALLER)``: at the first frame outside the library

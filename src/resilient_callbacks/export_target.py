@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 
-from .errors import ConfigError, UsageError
+from .errors import ConfigError, usage
 from .manifest import MANIFEST_NAME
 
 EXPORT_MARKER = "export.json"  # written into every export: where it came from
@@ -32,35 +32,45 @@ def check_export_target(
     CLI's ``--force``, the Python API's ``overwrite=True``), named in the errors."""
     src, dst = os.fspath(source), os.fspath(out)
     if "://" in dst and not os.path.exists(dst):  # (made a local folder named "s3:")
-        raise UsageError(
-            f"OUT {dst} is a URL: an export is written to a local directory; give one, and copy "
-            "it to the store after"
+        raise usage(
+            ConfigError(
+                f"OUT {dst} is a URL: an export is written to a local directory; give one, and copy "
+                "it to the store after"
+            )
         )
     if os.path.exists(os.path.join(src, MANIFEST_NAME)):  # one checkpoint: its directory
         src = os.path.dirname(os.path.abspath(src))
     real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
     elsewhere = "give an OUT outside it (a new or empty folder, e.g. one beside it)"
     if real_dst == real_src:
-        raise UsageError(
-            f"OUT {dst} is the checkpoint directory {src} itself: writing the export there would "
-            f"replace its checkpoints; {elsewhere}"
+        raise usage(
+            ConfigError(
+                f"OUT {dst} is the checkpoint directory {src} itself: writing the export there would "
+                f"replace its checkpoints; {elsewhere}"
+            )
         )
     if within(real_src, real_dst):
-        raise UsageError(
-            f"OUT {dst} holds the checkpoint directory {src}: writing the export there would "
-            f"replace it and everything else in {dst}; {elsewhere}"
+        raise usage(
+            ConfigError(
+                f"OUT {dst} holds the checkpoint directory {src}: writing the export there would "
+                f"replace it and everything else in {dst}; {elsewhere}"
+            )
         )
     if within(real_dst, real_src):
-        raise UsageError(
-            f"OUT {dst} lies inside the checkpoint directory {src}: an export must not be "
-            f"written among its checkpoints; {elsewhere}"
+        raise usage(
+            ConfigError(
+                f"OUT {dst} lies inside the checkpoint directory {src}: an export must not be "
+                f"written among its checkpoints; {elsewhere}"
+            )
         )
     if not os.path.lexists(dst):
         return os.path.abspath(dst)
     if not os.path.isdir(dst):
-        raise UsageError(
-            f"OUT {dst} exists and is not a directory: an export is a directory; give a new "
-            "or empty folder"
+        raise usage(
+            ConfigError(
+                f"OUT {dst} exists and is not a directory: an export is a directory; give a new "
+                "or empty folder"
+            )
         )
     if not overwrite:
         raise ConfigError(

@@ -24,7 +24,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointNotFoundError,
-    NoCheckpointsError,
+    nothing_found,
 )
 from .lock import DirLock
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -39,7 +39,7 @@ def usable(
 ) -> list[RemoteEntry]:
     """The committed remote checkpoints whose listed sizes match their manifests (of ``step``
     only, if given), oldest commit first; :class:`CheckpointNotFoundError` if there is none
-    (:class:`NoCheckpointsError` where the store holds no committed checkpoint at all).
+    (marked :func:`.errors.nothing_found` where the store holds no committed checkpoint at all).
     ``passed`` (without ``step``): filled with the checkpoints listed after the newest of them
     that are not (torn, or without a manifest yet), for the caller to say."""
     listed = stall.run(st.scan, f"listing {st.url}", who="the pull")
@@ -55,8 +55,8 @@ def usable(
         bad = "" if not remote else f" ({len(remote)} with files missing or of the wrong size)"
         if not remote and step is not None and steps:  # (as verify and inspect say it)
             bad = f" (its steps: {', '.join(map(str, steps))})"
-        # (none committed at all: NoCheckpointsError, resilient-ckpt pull's exit 3)
-        raise (CheckpointNotFoundError if steps else NoCheckpointsError)(f"{what} in {st.url}{bad}")
+        missing = CheckpointNotFoundError(f"{what} in {st.url}{bad}")
+        raise missing if steps else nothing_found(missing)  # (none at all: resilient-ckpt's 3)
     if passed is not None and step is None:  # (committed by commit order, then the rest)
         after = listed[next(i for i, e in enumerate(listed) if e is good[-1]) + 1 :]
         top = good[-1].manifest.step if good[-1].manifest is not None else 0

@@ -13,7 +13,7 @@ from typing import Any
 
 import fsspec
 
-from .errors import UsageError
+from .errors import ConfigError, usage
 from .redact import url_text
 from .store_key import configured_endpoint, store_identity
 
@@ -54,7 +54,7 @@ def pinned(url: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def refuse_cache(fs: Any, url: str) -> None:
-    """A :class:`UsageError` (a :class:`ConfigError`; exit 2 in the CLI) for a URL behind fsspec's local cache (``simplecache::``,
+    """A :class:`ConfigError` (a usage error: exit 2 in the CLI) for a URL behind fsspec's local cache (``simplecache::``,
     ``filecache::``, ``blockcache::``): it keeps the first copy of an object it read, and the
     store's manifests, claims and commit marks change (a manifest read again after a push
     replaced it, or in a later run of the process, was the old one); the store behind it was
@@ -64,10 +64,12 @@ def refuse_cache(fs: Any, url: str) -> None:
     if isinstance(fs, CachingFileSystem):
         link = url.split("::", 1)[0]
         plain = url_text(url.split("::")[-1].rstrip("/"))
-        raise UsageError(
-            f"remote={url_text(url)!r}: a URL behind fsspec's local cache ({link}::) is not "
-            "taken: the cache keeps the first copy of a manifest, claim or commit mark it "
-            "read, and these change, so a stale one would be believed. Nothing was read or "
-            f"written. Give the store's own URL, {plain!r}: every download is verified and "
-            "written to the local directory already, so the cache saves nothing"
+        raise usage(
+            ConfigError(
+                f"remote={url_text(url)!r}: a URL behind fsspec's local cache ({link}::) is not "
+                "taken: the cache keeps the first copy of a manifest, claim or commit mark it "
+                "read, and these change, so a stale one would be believed. Nothing was read or "
+                f"written. Give the store's own URL, {plain!r}: every download is verified and "
+                "written to the local directory already, so the cache saves nothing"
+            )
         )
