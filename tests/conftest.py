@@ -215,9 +215,29 @@ def _empty_mlflow_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def mlflow_sqlite(tmp_path: Path, _empty_mlflow_store: Path) -> str:
+def mlflow_sqlite(tmp_path: Path, _empty_mlflow_store: Path) -> Iterator[str]:
     """The tracking URI of a new, empty MLflow sqlite store of this test alone,
     ``tmp_path/mlflow.db`` (a copy of :func:`_empty_mlflow_store`: its schema already made,
-    as a store that a tracking server or an earlier run created)."""
+    as a store that a tracking server or an earlier run created).
+
+    MLflow's process-wide state is put back after the test: ``mlflow.set_experiment()`` (which
+    Transformers' MLflow callback calls) sets ``MLFLOW_EXPERIMENT_ID`` in ``os.environ`` and
+    the active experiment, ``set_tracking_uri()`` the default store, a failed test may leave
+    a run active. Left behind, they named an experiment of this test's deleted store to the
+    later tests (a later test's run went to "experiment 1" of a new store, which had none)."""
+    import mlflow
+    from mlflow.tracking import _tracking_service, fluent
+
     shutil.copyfile(_empty_mlflow_store, tmp_path / "mlflow.db")
-    return f"sqlite:///{tmp_path / 'mlflow.db'}"
+    env = {k: v for k, v in os.environ.items() if k.startswith("MLFLOW_")}
+    experiment, uri = fluent._active_experiment_id, _tracking_service.utils._tracking_uri
+    try:
+        yield f"sqlite:///{tmp_path / 'mlflow.db'}"
+    finally:
+        while mlflow.active_run() is not None:  # (this thread's: MLflow's stack is per thread)
+            mlflow.end_run()
+        for k in [k for k in os.environ if k.startswith("MLFLOW_") and k not in env]:
+            del os.environ[k]
+        os.environ.update(env)
+        fluent._active_experiment_id = experiment
+        _tracking_service.utils._tracking_uri = uri
