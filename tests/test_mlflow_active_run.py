@@ -82,3 +82,28 @@ def test_mlflow_experiment_id_in_the_environment_is_where_its_run_goes(
     assert c.search_runs(["0"]) == []
     (run,) = c.search_runs([exp])
     assert max(m.value for m in c.get_metric_history(run.info.run_id, PREFIX + "saves_total")) == 2
+
+
+def test_an_experiment_id_of_another_store_is_not_used_in_the_sinks_store(
+    tmp_path: Path, monkeypatch, mlflow_sqlite: str, _empty_mlflow_store: Path
+):
+    """``MLFLOW_EXPERIMENT_ID`` names an experiment of the default store (``mlflow.
+    set_experiment()`` sets it, as Transformers' MLflow callback calls it); the sink is given
+    another store: there that id names no experiment, or another one. Its run goes to the
+    other store's "Default" (the old src asked for experiment 1 there, failed at every step and
+    sent nothing)."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", mlflow_sqlite)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    exp = mlflow.tracking.MlflowClient().create_experiment("of-the-default-store")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_ID", exp)
+    shutil.copyfile(_empty_mlflow_store, tmp_path / "b.db")
+    other = f"sqlite:///{tmp_path / 'b.db'}"
+    state = _state()
+    with Checkpointer(tmp_path / "ck", every_n_steps=5, telemetry=f"mlflow:{other}") as ck:
+        ck.restore(state)
+        _train(ck, range(1, 11), state)
+    c = mlflow.tracking.MlflowClient(tracking_uri=other)
+    (run,) = c.search_runs(["0"])
+    assert max(m.value for m in c.get_metric_history(run.info.run_id, PREFIX + "saves_total")) == 2

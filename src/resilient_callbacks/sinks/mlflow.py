@@ -85,15 +85,21 @@ class MLflowSink:
         self.context = context  # the Checkpointer's dirpath, monitor, mode, run_id (live)
         self.tracking_uri = tracking_uri or mlflow.get_tracking_uri()
         self.experiment = experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
-        # else the experiment MLflow's start_run() would take (a scheduler's, mlflow run's)
-        self.experiment_id = None if self.experiment else os.environ.get("MLFLOW_EXPERIMENT_ID")
+        # else the experiment MLflow's start_run() would take (a scheduler's, mlflow run's,
+        # mlflow.set_experiment()'s): an id in the default store, meaningless in another one
+        default_store = _same_store(self.tracking_uri, mlflow.get_tracking_uri())
+        self.experiment_id = (
+            os.environ.get("MLFLOW_EXPERIMENT_ID")
+            if default_store and not self.experiment
+            else None
+        )
         self.run_name = run_name
         self.log_checkpoint = log_checkpoint
         self.register_model = register_model
         self.registry_uri = registry_uri
         self.close_timeout_s = 600.0 if log_checkpoint else 30.0
         self.own_run = False
-        if run_id is None and _same_store(self.tracking_uri, mlflow.get_tracking_uri()):
+        if run_id is None and default_store:
             active = mlflow.active_run()  # thread-local: read here, on the caller's thread
             if active is not None:  # (in the store given: a run elsewhere cannot be logged to)
                 run_id = active.info.run_id
