@@ -352,24 +352,43 @@ def test_errno_is_kept_when_the_staging_directory_cannot_be_made(tmp_path, async
 def test_saves_wait_for_retention_to_free_the_space_they_need(small_tmpfs, monkeypatch, async_save):
     """A disk with room for keep_last + 1 checkpoints and deletions slower than the saves: each
     save waits for retention's deletions when the space is not there yet (saves 4 and on failed
-    with ENOSPC while the space they needed was still being freed)."""
-    import time
+    with ENOSPC while the space they needed was still being freed). Each deletion starts only
+    once something waits for it (a save, or close()), so none is ever done before the next
+    save looks for its space: no sleeps, and no load makes the deletions fast enough."""
+    import threading
 
     from resilient_callbacks import trash
 
-    real = trash._delete
+    real_delete, real_wait = trash._delete, trash.TrashBin.wait
+    cond = threading.Condition()
+    waits = [0, 0]  # wait() calls begun, and those not yet returned
 
-    def slow(path):
-        time.sleep(0.5)
-        real(path)
+    def wait(self, timeout=None):
+        with cond:
+            waits[0] += 1
+            waits[1] += 1
+            cond.notify_all()
+        try:
+            return real_wait(self, timeout)
+        finally:
+            with cond:
+                waits[1] -= 1
+
+    def slow(path):  # (60 s: a safety net only; it returns as soon as a wait() has begun)
+        with cond:
+            begun = waits[0]
+            cond.wait_for(lambda: waits[0] > begun or waits[1] > 0, timeout=60.0)
+        real_delete(path)
 
     monkeypatch.setattr(trash, "_delete", slow)
+    monkeypatch.setattr(trash.TrashBin, "wait", wait)
     root = small_tmpfs / "ck"
     with Checkpointer(root, keep_last=2, async_save=async_save) as ck:  # 1.2 MB each, 4 MiB
         for step in range(1, 7):
             ck.save(step, _state(300_000, float(step)))
             ck.flush()
         assert [e.step for e in ck.checkpoints()] == [5, 6]
+        assert waits[0] == 3  # saves 4, 5 and 6 each waited for a deletion
 
 
 def test_saving_without_restore_beside_a_run_says_that_restore_was_not_called(tmp_path):
