@@ -439,7 +439,7 @@ if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "grow-worker
         sys.exit(1)
 
 
-@pytest.mark.slow  # two processes: ~12 s on the loaded 2-core CI machine
+@pytest.mark.slow  # two ranks: ~1 s, ~10 s when it starts the session's zygote
 def test_more_ranks_than_wrote_the_checkpoint_keep_their_own_streams_and_dtensors_are_refused(
     tmp_path,
 ):
