@@ -323,12 +323,11 @@ def test_pushgateway_receives_the_metrics_over_http(tmp_path: Path):
     assert fams[PREFIX + "last_saved_step"].samples[0].value == 6
 
 
-@pytest.mark.slow
+@needs_transformers
 def test_transformers_logger_telemetry_reaches_the_trainers_log(tmp_path: Path):
     """``telemetry="logger"`` on the Trainer callback: after each save every checkpoint metric
     goes through ``Trainer.log`` (so to every ``report_to`` integration) and into the log
-    history."""
-    pytest.importorskip("transformers")
+    history. (In the default suite: the one test of the Transformers path of "logger".)"""
     import hf_train
     from resilient_callbacks.transformers import ResilientCheckpoint
 
@@ -338,6 +337,8 @@ def test_transformers_logger_telemetry_reaches_the_trainers_log(tmp_path: Path):
         metric_for_best_model=None,
     )  # fmt: skip
     trainer.train()
+    sent = [e["step"] for e in trainer.state.log_history if PREFIX + "step" in e]
+    assert sent == [2, 4, 4]  # after the saves of steps 2 and 4, and at the end of training
     logged = [e for e in trainer.state.log_history if PREFIX + "saves_total" in e]
     # after each save, the metrics as they are then (a background save is counted once it
     # committed), and once more at the end of training, with every save in
