@@ -78,6 +78,28 @@ def _trains_on_after_a_caught_preemption_exit() -> Iterator[None]:
         exiting.clear()
 
 
+@pytest.fixture(autouse=True)
+def _framework_globals_put_back() -> Iterator[None]:
+    """What a training run in the test process leaves behind, put back after the test:
+    Lightning's ``seed_everything()`` sets ``PL_GLOBAL_SEED``/``PL_SEED_WORKERS`` in
+    ``os.environ`` (later in-process fits' ``DistributedSampler`` seed, and every process a
+    later test starts, inherit them), and the training scripts run in-process
+    (``lightning_train.main``) call ``torch.set_num_threads(1)``: later tests ran with one
+    thread or two depending on whether such a test ran before them."""
+    import torch
+
+    env = {k: os.environ.get(k) for k in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS")}
+    threads = torch.get_num_threads()
+    yield
+    for k, v in env.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def pytest_report_header() -> list[str]:
     said = []
     if DCP_MISSING:
