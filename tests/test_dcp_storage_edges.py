@@ -169,3 +169,26 @@ def test_a_directory_made_again_in_the_process_numbers_its_saves_afresh(tmp_path
         assert _steps(root) == [1]
         dcp.save({"t": torch.ones(2)}, storage_writer=w)
     assert _steps(root) == [1, 2]
+
+
+def test_a_save_in_a_process_launched_as_one_of_several_without_a_group_is_refused(
+    tmp_path, monkeypatch
+):
+    """Under torchrun (``WORLD_SIZE=2``) a script that never called ``init_process_group``:
+    DCP warns "assuming the intent is to save in a single process" and each rank committed a
+    checkpoint of its own into the shared ``dirpath``, as if alone, in silence (two processes
+    left one lineage's steps and the other's ``step_000000001-1``). Refused at the save, naming
+    the rank, WORLD_SIZE and ``init_process_group``; nothing is written; with WORLD_SIZE=1 the
+    same save goes on."""
+    root = tmp_path / "ck"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with ResilientStorageWriter(root) as w:
+        with pytest.raises(BaseException, match="init_process_group") as caught:
+            dcp.save({"t": torch.ones(4)}, storage_writer=w, checkpoint_id=1)
+        said = str(caught.value)
+        assert "ConfigError" in said and "rank 1 of WORLD_SIZE=2" in said
+        assert not root.exists() or os.listdir(root) == []
+        monkeypatch.setenv("WORLD_SIZE", "1")
+        dcp.save({"t": torch.ones(4)}, storage_writer=w, checkpoint_id=1)
+    assert _steps(root) == [1]

@@ -50,7 +50,7 @@ from torch.futures import Future
 from .. import checkpointer, closing, dist
 from ..config import CheckpointerConfig, local_dirpath
 from ..directory import Directory
-from ..errors import CheckpointWriteError, UnsupportedStateError
+from ..errors import CheckpointWriteError, ConfigError, UnsupportedStateError
 from ..filewrite import write_json
 from ..lock import release_dropped
 from ..manifest import FileEntry
@@ -172,11 +172,32 @@ class ResilientStorageWriter(StorageWriter):
                 "the coordinator, after every rank wrote its files. Save with collectives, or "
                 "with no_dist=True from a single process"
             )
+        self._require_group()
         self.is_coordinator = is_coordinator
         self.rank = int(kwargs.get("rank", dist.rank()))
         if not is_coordinator and self._dir is None:
             release_dropped(self.dirpath)  # this rank may have coordinated a failed save
         self._after_previous_save()
+
+    def _require_group(self) -> None:
+        """Every rank, at each save, before anything is written: refuse a process launched as
+        one of several ranks (``WORLD_SIZE`` > 1) that has no process group. DCP then saves
+        it as a single process, and every rank committed its own checkpoint into ``dirpath``
+        as if alone, in silence (each one's saves replacing the others' by retention), as
+        :func:`.dist.require_group` refuses for a ``Checkpointer``."""
+        launched = dist.launched_world_size()
+        if launched <= 1 or dist.is_initialized():
+            return
+        raise ConfigError(
+            f"ResilientStorageWriter({self.dirpath!r}): dcp.save was called in a process "
+            f"launched as rank {os.environ.get('RANK', '?')} of WORLD_SIZE={launched} that has "
+            "no process group, so DCP saves this process's state alone (\"assuming the intent "
+            'is to save in a single process") and every rank would commit a checkpoint of its '
+            "own into the same directory, as if it were the only one. Nothing was written. "
+            "Call torch.distributed.init_process_group(...) on every rank before the first "
+            "save. If these processes are independent runs, set WORLD_SIZE=1 in their "
+            "environment and give each writer its own dirpath."
+        )
 
     def _after_previous_save(self) -> None:
         """Every rank, before this save's first collective: wait for this writer's previous
