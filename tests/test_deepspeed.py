@@ -1265,6 +1265,50 @@ def test_launcher_module_takes_the_local_rank_the_deepspeed_launcher_puts_first(
         split_argv(["--local_rank=0"])
 
 
+def test_the_launcher_started_alone_sets_the_rendezvous_for_one_process() -> None:
+    """``python -m resilient_callbacks.deepspeed.run train.py`` with none of RANK, LOCAL_RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT set: DeepSpeed's init_distributed turned to MPI and
+    failed (``No module named 'mpi4py'``); the launcher sets them for one process. Where any
+    is set, or an MPI launcher or a Slurm step of several tasks started the process, the
+    environment is left as it is."""
+    from resilient_callbacks.deepspeed.run import RENDEZVOUS, single_process_env
+
+    env = {"PATH": "/bin"}
+    assert single_process_env(env)
+    assert [env[k] for k in RENDEZVOUS[:4]] == ["0", "0", "1", "127.0.0.1"]
+    assert 0 < int(env["MASTER_PORT"]) < 65536
+    for given in ({"WORLD_SIZE": "2"}, {"MASTER_PORT": "1"}, {"OMPI_COMM_WORLD_SIZE": "4"}):
+        assert not single_process_env(dict(given)), given
+    assert not single_process_env({"SLURM_NTASKS": "8"})
+    assert single_process_env({"SLURM_NTASKS": "1"})
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_launcher_started_alone_trains_and_checkpoints(tmp_path: Path) -> None:
+    """The documented ``python -m resilient_callbacks.deepspeed.run train.py ...`` with no
+    launcher's variables in the environment: one rank trains and the end is saved (it failed
+    in ``deepspeed.init_distributed`` with ``No module named 'mpi4py'``)."""
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import sys, torch, deepspeed\n"
+        "m = torch.nn.Linear(4, 1)\n"
+        "cfg = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'SGD', 'params': "
+        "{'lr': 0.1}}, 'resilient_checkpoint': {'dirpath': sys.argv[1]}}\n"
+        "engine, *_ = deepspeed.initialize(model=m, model_parameters=m.parameters(), config=cfg)\n"
+        "for _ in range(3):\n"
+        "    engine.backward(engine(torch.ones(2, 4)).sum()); engine.step()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    ck = tmp_path / "ck"
+    cmd = [sys.executable, "-m", "resilient_callbacks.deepspeed.run", str(script), str(ck)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert [e.step for e in committed(ck)] == [3]
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_deepspeed_launcher_with_our_module_trains_and_checkpoints(tmp_path: Path) -> None:

@@ -5,6 +5,11 @@ with ``deepspeed.initialize`` made resilient (see :mod:`.launch`). Works as
 The ``deepspeed`` launcher puts ``--local_rank=N`` before the module's arguments, that is before
 SCRIPT: it is handed to SCRIPT first among its arguments, as ``deepspeed SCRIPT ...`` would.
 
+Started on its own (``python -m resilient_callbacks.deepspeed.run SCRIPT``: none of ``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, no MPI launcher), SCRIPT
+runs as the only rank: those five are set for one process (``deepspeed.init_distributed``
+looked for MPI otherwise and failed without ``mpi4py``).
+
 When SCRIPT ends normally (returns, or exits with status 0), each engine's last step is saved
 (unless it already is) and its pending saves are committed: re-running a finished job then
 restores its end and trains nothing, and ``resilient-ckpt export`` exports the final weights.
@@ -17,7 +22,9 @@ import logging
 import os
 import re
 import runpy
+import socket
 import sys
+from collections.abc import MutableMapping
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -26,6 +33,38 @@ def _usage() -> str:
     """The module docstring as plain text for a terminal: ``code`` marks and roles removed."""
     text = re.sub(r":[a-z]+:`[.~]?([^`]+)`", r"\1", __doc__ or "")
     return text.replace("``", "").strip()
+
+
+#: what torch.distributed's env:// rendezvous (and DeepSpeed's init_distributed) reads
+RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+#: set by MPI launchers (mpirun, srun with PMI): DeepSpeed's MPI discovery finds the ranks there
+_MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def single_process_env(environ: MutableMapping[str, str]) -> bool:
+    """Set :data:`RENDEZVOUS` in ``environ`` for one process (rank 0 of 1, a free local port)
+    where none of them is set and nothing says other processes run beside this one (an MPI
+    launcher's variables, a Slurm step of several tasks); whether it did. Without them
+    ``deepspeed.init_distributed`` turns to MPI discovery and fails without ``mpi4py``
+    (``ModuleNotFoundError: No module named 'mpi4py'``), also for one process."""
+    if any(k in environ for k in (*RENDEZVOUS, *_MPI)):
+        return False
+    if environ.get("SLURM_NTASKS", "1") != "1":
+        return False
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    environ.update(
+        RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
+    log.info(
+        "resilient_callbacks.deepspeed.run: none of %s is set and no launcher started this "
+        "process: it runs as the only rank (MASTER_PORT=%d). For several ranks, start it with "
+        "torchrun or deepspeed --module",
+        ", ".join(RENDEZVOUS),
+        port,
+    )
+    return True
 
 
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
@@ -58,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     from .launch import patch
 
+    single_process_env(os.environ)
     patch()
     sys.argv = script_argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
