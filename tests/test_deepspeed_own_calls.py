@@ -1,4 +1,5 @@
-"""``engine.load_checkpoint`` / ``engine.save_checkpoint`` on the section's directory.
+"""``engine.load_checkpoint`` / ``engine.save_checkpoint`` on the section's directory (or
+``rcds.attach``'s, whose refusal names attach's keywords, not a section).
 
 DeepSpeed read our directory's advisory ``latest`` file (our newest checkpoint) as its own tag
 and failed with a bare ``AssertionError``; now the load is refused with a message that says
@@ -39,6 +40,12 @@ engine.save_checkpoint(DIRPATH + "/ds")
 print("LOADED OTHER:", engine.load_checkpoint(DIRPATH + "/ds")[0])
 engine.resilient_checkpoint.close()
 print("DEEPSPEED'S AGAIN:", not {"load_checkpoint", "save_checkpoint"} & set(vars(engine)))
+handle = rcds.attach(engine, dirpath=DIRPATH + "/att")
+try:
+    engine.load_checkpoint(DIRPATH + "/att")
+except ConfigError as e:
+    print("REFUSED ATTACHED:", e)
+handle.close()
 """
 
 
@@ -53,3 +60,9 @@ def test_deepspeeds_own_load_and_save_on_our_directory(tmp_path: Path) -> None:
     assert len(said) == 1, out.stderr[-3000:]  # once, at the user's call
     assert str(tmp_path / "ds") in out.stdout  # another directory: DeepSpeed's, as without us
     assert "DEEPSPEED'S AGAIN: True" in out.stdout
+    # an engine checkpointed by rcds.attach: its keywords are named, not a section it lacks
+    attached = re.search(r"REFUSED ATTACHED: (.*)", out.stdout)
+    assert attached, out.stdout + out.stderr[-3000:]
+    assert "rcds.attach()'s dirpath" in attached.group(1)
+    assert "pass resume= to rcds.attach()" in attached.group(1)
+    assert "section" not in attached.group(1)

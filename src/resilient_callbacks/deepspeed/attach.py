@@ -170,6 +170,7 @@ def attach(
         raise ConfigError("attach() needs dirpath=: where to write checkpoints")
     section.validate(options, "attach()")
     handle = DeepSpeedCheckpoint(engine, state, **options)
+    handle._own_calls.attached = True  # (its messages name attach()'s keywords)
     if restore:
         handle.restore()
     return handle

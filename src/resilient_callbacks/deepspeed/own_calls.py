@@ -34,8 +34,10 @@ class OwnCalls:
     """Wraps ``engine.load_checkpoint`` and ``engine.save_checkpoint`` (instance attributes,
     like the handle's ``step``) for the handle whose Checkpointer writes ``dirpath``."""
 
-    def __init__(self, engine: Any, dirpath: str) -> None:
+    def __init__(self, engine: Any, dirpath: str, *, attached: bool = False) -> None:
         self.engine, self.dirpath = engine, dirpath
+        # where dirpath and resume were given: rcds.attach's keywords, or the config's section
+        self.attached = attached
         self.warned = False
         self._load, self._save = engine.load_checkpoint, engine.save_checkpoint
         engine.load_checkpoint = self._on_load
@@ -43,12 +45,17 @@ class OwnCalls:
 
     def _on_load(self, load_dir: Any, *args: Any, **kwargs: Any) -> Any:
         if same_dir(load_dir, self.dirpath):
+            when, resume = (
+                ("rcds.attach() was called", "pass resume= to rcds.attach()")
+                if self.attached
+                else ("the engine was made", 'set "resume" in the section')
+            )
             raise ConfigError(
                 f"engine.load_checkpoint({os.fspath(load_dir)!r}): that is resilient_callbacks' "
-                "checkpoint directory (the section's dirpath), not a DeepSpeed one: its "
-                "checkpoints are read by the restore, which already ran when the engine was "
-                f"made (engine.global_steps is {self.engine.global_steps}). To start from "
-                'another of its checkpoints, set "resume" in the section (a step number or a '
+                f"checkpoint directory ({self._where()}), not a DeepSpeed one: its "
+                f"checkpoints are read by the restore, which already ran when {when} "
+                f"(engine.global_steps is {self.engine.global_steps}). To start from "
+                f"another of its checkpoints, {resume} (a step number or a "
                 "checkpoint's path); for DeepSpeed's own checkpoints use another directory"
             )
         return self._load(load_dir, *args, **kwargs)
@@ -59,7 +66,7 @@ class OwnCalls:
             warn_and_log(
                 log,
                 f"engine.save_checkpoint({os.fspath(save_dir)!r}) writes DeepSpeed's checkpoint "
-                "into resilient_callbacks' directory (the section's dirpath): it overwrites the "
+                f"into resilient_callbacks' directory ({self._where()}): it overwrites the "
                 "directory's `latest` file and leaves DeepSpeed's pickled tags beside our "
                 "checkpoints, which DeepSpeed's load_checkpoint then cannot tell apart. The "
                 "run is checkpointed already; give save_checkpoint a directory of its own",
@@ -67,6 +74,9 @@ class OwnCalls:
                 stacklevel=AT_CALLER,
             )
         return self._save(save_dir, *args, **kwargs)
+
+    def _where(self) -> str:
+        return "rcds.attach()'s dirpath" if self.attached else "the section's dirpath"
 
     def unwrap(self) -> None:
         for name, ours in (("load_checkpoint", self._on_load), ("save_checkpoint", self._on_save)):
