@@ -67,7 +67,22 @@ class StepWatch:
     ``step()`` that reads them all again (where the window reaches the longest length seen,
     or where the end gradients did not change), not at once; and a ``step()`` without a backward
     pass right after such a call is held one call (its baseline, every gradient, was not
-    read), as the first call after an update is."""
+    read), as the first call after an update is.
+
+    Several optimizers in one state (a GAN's generator and discriminator): the window is the
+    state's, not each optimizer's. A ``step()`` after which any of them began a step is
+    outside a window, so a loop that steps one of them at every ``step()`` while another
+    accumulates over several (the discriminator stepped at each call, the generator every 4th)
+    shows no window: a save due inside the generator's window is made there (periodic,
+    preemption and ``save_on_exception`` alike), and a run resumed from it trains on without
+    that window's gradients, not as the uninterrupted run, with nothing said. Per-optimizer
+    windows would compare each optimizer's gradients at every call, and the gradients one
+    optimizer's backward pass leaves in another's parameters (the generator's loss through
+    the discriminator, which its next ``zero_grad`` drops) would read as a window that may never
+    end; not done. Such a loop calls ``step()`` once per step of the accumulating optimizer
+    (docs/guide.md, "gradient accumulation"). The adaptive interval's step time is not
+    measured here: it is the time between ``step()`` calls (:meth:`.Trigger.step_started`),
+    whichever optimizers stepped in between."""
 
     def __init__(self) -> None:
         self._steps = Follower()  # the optimizers' step counts (optimizer_steps.py)
