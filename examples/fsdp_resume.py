@@ -2,6 +2,7 @@
 
     .venv/bin/torchrun --nproc_per_node=2 examples/fsdp_resume.py --dir demo_output/fsdp
 
+(The default 40 steps take a few seconds on CPU: add ``--steps 2000`` to have time to stop it.)
 Stop it partway (Ctrl-C, or ``pkill -9 -f examples/fsdp_resume.py``), then run the same command
 again: it resumes from the newest valid checkpoint. Run it with another number of processes
 (``--nproc_per_node=1``) and it resumes too: the model and optimizer shards are resharded to the
