@@ -1283,14 +1283,33 @@ def test_the_launcher_started_alone_sets_the_rendezvous_for_one_process() -> Non
     assert single_process_env({"SLURM_NTASKS": "1"})
 
 
+def _launch_alone(script: Path, code: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -m resilient_callbacks.deepspeed.run SCRIPT ARGS`` as a user starts it, with
+    none of the launchers' variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) in the environment;
+    forked from the session's DeepSpeed zygote, DeepSpeed's shared-memory op not compiled."""
+    script.write_text(code)
+    gone = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in gone}
+    env.update(
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]),
+    )
+    run = (
+        "from ds_noshm import skip_shm_op\nskip_shm_op()\n"
+        "from resilient_callbacks.deepspeed.run import main\n"
+        f"main({[str(script), *args]!r})\n"
+    )
+    zygote = spawn_ranks.shared_zygote("deepspeed", DS_ACCELERATOR="cpu")
+    return spawn_ranks.run_python([sys.executable, "-c", run], env, DEADLINE, zygote)
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_launcher_started_alone_trains_and_checkpoints(tmp_path: Path) -> None:
     """The documented ``python -m resilient_callbacks.deepspeed.run train.py ...`` with no
     launcher's variables in the environment: one rank trains and the end is saved (it failed
     in ``deepspeed.init_distributed`` with ``No module named 'mpi4py'``)."""
-    script = tmp_path / "train.py"
-    script.write_text(
+    code = (
         "import sys, torch, deepspeed\n"
         "m = torch.nn.Linear(4, 1)\n"
         "cfg = {'train_micro_batch_size_per_gpu': 2, 'optimizer': {'type': 'SGD', 'params': "
@@ -1299,14 +1318,41 @@ def test_the_launcher_started_alone_trains_and_checkpoints(tmp_path: Path) -> No
         "for _ in range(3):\n"
         "    engine.backward(engine(torch.ones(2, 4)).sum()); engine.step()\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     ck = tmp_path / "ck"
-    cmd = [sys.executable, "-m", "resilient_callbacks.deepspeed.run", str(script), str(ck)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    proc = _launch_alone(tmp_path / "train.py", code, str(ck))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert [e.step for e in committed(ck)] == [3]
+
+
+def test_the_launcher_saves_engines_of_rcds_initialize_and_attach_on_an_exception(
+    tmp_path: Path,
+) -> None:
+    """Under the launcher, engines the script checkpoints itself -- ``rcds.initialize`` and
+    ``rcds.attach`` -- with ``save_on_exception``, no ``with`` block, and an exception after
+    step 3: each saves step 3 (the launcher sees the exception for the whole script, as the
+    docs say). Only the patched ``deepspeed.initialize``'s engines were: these two saved
+    nothing, and no warning said so (the launcher counted as seeing the exception)."""
+    code = (
+        "import sys, torch, deepspeed\n"
+        "import resilient_callbacks.deepspeed as rcds\n"
+        "opt = {'type': 'SGD', 'params': {'lr': 0.1}}\n"
+        "m1, m2 = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)\n"
+        "cfg = {'train_micro_batch_size_per_gpu': 2, 'optimizer': opt, 'resilient_checkpoint': "
+        "{'dirpath': sys.argv[1], 'every_n_steps': 100, 'save_on_exception': True}}\n"
+        "a, *_ = rcds.initialize(model=m1, model_parameters=m1.parameters(), config=cfg)\n"
+        "plain = {'train_micro_batch_size_per_gpu': 2, 'optimizer': opt}\n"
+        "b, *_ = deepspeed.initialize(model=m2, model_parameters=m2.parameters(), config=plain)\n"
+        "rcds.attach(b, dirpath=sys.argv[2], every_n_steps=100, save_on_exception=True)\n"
+        "for _ in range(3):\n"
+        "    for e in (a, b):\n"
+        "        e.backward(e(torch.ones(2, 4)).sum()); e.step()\n"
+        "raise RuntimeError('the training failed')\n"
+    )
+    ck_a, ck_b = tmp_path / "a", tmp_path / "b"
+    proc = _launch_alone(tmp_path / "train.py", code, str(ck_a), str(ck_b))
+    assert proc.returncode != 0 and "the training failed" in proc.stderr, proc.stderr[-4000:]
+    assert [e.step for e in committed(ck_a)] == [3], proc.stderr[-4000:]
+    assert [e.step for e in committed(ck_b)] == [3], proc.stderr[-4000:]
 
 
 @pytest.mark.distributed

@@ -32,7 +32,7 @@ from ..state_marks import PerRank
 from . import section
 from .engine_state import advice, check_config, engine_state
 from .evaluation import EvaluationWatch
-from .launch import launched
+from .launch import launched, register
 from .own_calls import OwnCalls
 
 log = logging.getLogger("resilient_callbacks")
@@ -173,6 +173,7 @@ def attach(
     handle._own_calls.attached = True  # (its messages name attach()'s keywords)
     if restore:
         handle.restore()
+    register(handle)  # under the launcher: saved at the script's end, or aborted
     return handle
 
 
@@ -293,4 +294,5 @@ def initialize(
         extra["data"] = PerRank(loader, new_ranks="rank0")
     handle = DeepSpeedCheckpoint(engine, extra or None, **options)
     handle.restore()
+    register(handle)  # under the launcher: saved at the script's end, or aborted
     return engine, opt, loader, sched

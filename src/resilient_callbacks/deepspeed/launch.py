@@ -52,11 +52,7 @@ def patch() -> None:
         trainer = _calling_trainer()
         if trainer is not None:
             return _trainer_initialize(trainer, original, *args, **kwargs)
-        out = initialize(*args, **kwargs)
-        handle = getattr(out[0], "resilient_checkpoint", None)
-        if handle is not None:
-            _HANDLES.append(handle)
-        return out
+        return initialize(*args, **kwargs)  # (its handle registers itself: register())
 
     resilient_initialize.__doc__ = initialize.__doc__
     original = deepspeed.initialize
@@ -112,8 +108,20 @@ def _trainer_initialize(
     return original(*args, **kwargs)
 
 
+def register(handle: Any) -> None:
+    """Under the launcher: ``handle`` (a ``DeepSpeedCheckpoint`` that restored, made by the
+    patched ``deepspeed.initialize``, ``rcds.initialize`` or ``rcds.attach``) is saved and
+    closed when the script ends (``run.finish``), or aborted when it raises
+    (``run.abort_all``). Only the patched ``initialize``'s engines were: one the script made
+    with ``rcds.initialize`` or ``attach`` under the launcher had no ``save_on_exception``
+    save, no save of its last step at the end, and no warning about either."""
+    if launched() and all(h is not handle for h in _HANDLES):
+        _HANDLES.append(handle)
+
+
 def handles() -> list[Any]:
-    """The ``DeepSpeedCheckpoint`` of every engine the patched ``initialize`` made."""
+    """The ``DeepSpeedCheckpoint`` of every engine checkpointed under the launcher
+    (:func:`register`)."""
     return list(_HANDLES)
 
 
