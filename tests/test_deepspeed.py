@@ -574,12 +574,15 @@ def test_a_misspelt_keyword_of_attach_is_an_unknown_option_error() -> None:
     """rcds.attach(engine, every_n_step=5) takes Checkpointer options as keywords, like the
     Checkpointer and the callbacks, which raise UnknownOptionError (a TypeError, as Python's own
     for a wrong keyword); attach's check raised a bare ConfigError, which `except TypeError`
-    missed. The section of a JSON config raises the same (still a ConfigError)."""
+    missed. The section of a JSON config raises the same (still a ConfigError). attach()'s
+    error names its keywords, not a "resilient_checkpoint" section the run has not got."""
     from resilient_callbacks.deepspeed import section
     from resilient_callbacks.errors import ConfigError, UnknownOptionError
 
-    with pytest.raises(UnknownOptionError, match="did you mean 'every_n_steps'"):
+    with pytest.raises(UnknownOptionError, match="did you mean 'every_n_steps'") as said:
         section.validate({"dirpath": "x", "every_n_step": 5}, "attach()")
+    assert str(said.value).startswith("rcds.attach()'s keywords: unknown option(s)")
+    assert "resilient_checkpoint" not in str(said.value)
     with pytest.raises(TypeError):
         section.split({"resilient_checkpoint": {"dirpath": "x", "every_n_step": 5}})
     with pytest.raises(ConfigError):

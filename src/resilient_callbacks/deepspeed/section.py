@@ -44,22 +44,33 @@ def _hint(name: str) -> str:
     return f"{name!r} (did you mean {lower[close[0]]!r}?)" if close else repr(name)
 
 
+def _named(where: str) -> str:
+    """What the messages call the options checked in ``where``: ``attach()``'s are keywords
+    (it told a user of ``rcds.attach(every_n_step=5)`` of a config section he does not have),
+    ``checkpoint=`` is ``rcds.initialize``'s dict (merged into the section, if any)."""
+    if where == "attach()":
+        return "rcds.attach()'s keywords"
+    if where == "checkpoint=":
+        return f'rcds.initialize(checkpoint=...) (with the config\'s "{SECTION}", if any)'
+    return f'"{SECTION}" in {where}'
+
+
 def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any]:
     """The section's options, checked: a JSON object with known keys and a ``dirpath``."""
+    named = _named(where)
     if not isinstance(section, Mapping):
         raise ConfigError(
-            f'"{SECTION}" in {where} must be a JSON object of Checkpointer options, got '
-            f"{type(section).__name__}"
+            f"{named} must be a JSON object of Checkpointer options, got {type(section).__name__}"
         )
     valid = checkpointer_options()
     unknown = sorted(k for k in section if k not in valid)
     if unknown:  # an UnknownOptionError (a ConfigError and a TypeError), as for the Checkpointer
         raise UnknownOptionError(
-            f'"{SECTION}" in {where}: unknown option(s) {", ".join(map(_hint, unknown))}; '
+            f"{named}: unknown option(s) {', '.join(map(_hint, unknown))}; "
             f"valid options are: {', '.join(valid)}"
         )
     if not section.get("dirpath"):
-        raise ConfigError(f'"{SECTION}" in {where} needs "dirpath": where to write checkpoints')
+        raise ConfigError(f'{named} needs "dirpath": where to write checkpoints')
     options = dict(section)
     signals = options.get("signals")
     if isinstance(signals, list):
@@ -72,7 +83,7 @@ def validate(section: Any, where: str = "the DeepSpeed config") -> dict[str, Any
     try:
         CheckpointerConfig(**checked)
     except ConfigError as e:
-        raise ConfigError(f'"{SECTION}" in {where}: {e}') from None
+        raise ConfigError(f"{named}: {e}") from None
     return options
 
 
