@@ -88,7 +88,8 @@ def _warning() -> str:
         f'this DeepSpeed config has a "{SECTION}" section, but it reached deepspeed.initialize '
         "directly: nothing is being checkpointed by resilient_callbacks. Call "
         "resilient_callbacks.deepspeed.initialize(...) instead, or launch the unchanged script "
-        "with `python -m resilient_callbacks.deepspeed.run train.py ...` (also as `deepspeed "
+        "with `python -m resilient_callbacks.deepspeed.run train.py ...` (also as `torchrun "
+        "--nproc_per_node N -m resilient_callbacks.deepspeed.run train.py ...` and `deepspeed "
         "--module resilient_callbacks.deepspeed.run train.py ...`); with the Hugging Face Trainer "
         "add resilient_callbacks.transformers.ResilientCheckpoint to its callbacks. "
         f"{ENV_OFF}=1 silences this warning."

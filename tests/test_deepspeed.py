@@ -1189,6 +1189,10 @@ def test_no_guard_warning_through_our_initialize_and_launcher(tmp_path: Path) ->
     with pytest.warns(guard.SectionIgnoredWarning, match="resilient_callbacks.deepspeed.run"):
         wrapped(Args(), model=None)
     assert len(seen) == 3
+    # the launcher's forms, torchrun's included (a torchrun user was offered only the others)
+    said = guard._warning()
+    assert "`torchrun --nproc_per_node N -m resilient_callbacks.deepspeed.run" in said
+    assert "`deepspeed --module resilient_callbacks.deepspeed.run" in said
 
 
 def test_the_launcher_refuses_a_trainers_section_that_no_callback_reads(monkeypatch) -> None:
