@@ -3,6 +3,7 @@ for the adapters' resume message (they used to parse the core's log records)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,36 @@ def test_report_names_the_checkpoint_the_tier_and_what_was_skipped(tmp_path):
     said = rep.describe("epoch 0")
     assert said.startswith(f"resumed at step 5 (epoch 0) from {rep.path} (local copy)")
     assert "skipped newer checkpoint(s): " + skipped in said
+
+
+def test_a_restore_that_skipped_a_damaged_blob_says_which_checkpoint_it_loaded(tmp_path, caplog):
+    """A plain loop saw only "falling back to an older checkpoint" for each skipped one, and
+    nothing named the checkpoint it went on from (the adapters said it; a loop had nothing)."""
+    state = {"w": torch.zeros(8192)}  # 32 KiB: a blob
+    with Checkpointer(tmp_path / "ck", async_save=False, incremental=True) as ck:
+        ck.save(5, state)
+        state["w"] += 1
+        ck.save(10, state)
+        newest = Path(ck.last_save.path)
+    (blob,) = [
+        b
+        for b in (tmp_path / "ck" / "blobs").iterdir()
+        if b.name in newest.joinpath("shared.json").read_text()
+    ]
+    raw = bytearray(blob.read_bytes())
+    raw[-1] ^= 0xFF
+    blob.write_bytes(bytes(raw))
+
+    logs = caplog.at_level(logging.WARNING, logger="resilient_callbacks")
+    with logs, Checkpointer(tmp_path / "ck") as ck, pytest.warns(ResumeFallbackWarning) as w:
+        assert ck.restore({"w": torch.empty(8192)}) == 5
+    assert blob.name in str(w[0].message) and str(newest) in str(w[0].message)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resumed at")]
+    assert said == [
+        f"resumed at step 5 from {ck.restored_from} (local copy) instead of the 1 newer "
+        "checkpoint(s) skipped as said above (step_000000010): the steps after 5 are trained "
+        "again"
+    ]
 
 
 def test_no_checkpoint_no_report(tmp_path):

@@ -93,6 +93,8 @@ class Restorer(RunStart, CandidateLoader):
             before = len(skipped)
             step = self._first_loaded(cands, state, explicit, skipped, tried)
             if step is not None:
+                if skipped and ck.is_coordinator:
+                    say_restored_instead(ck, skipped)
                 return step
             gone_now = any(GONE in s for s in skipped[before:])  # not damage: list again
             if not gone_now or explicit or listing == RELIST:
@@ -229,3 +231,23 @@ class Restorer(RunStart, CandidateLoader):
             key = next((c.key for c in chosen if c.key is not None), None)
             cands = [c for c in chosen if key is not None and c.key == key] or chosen[:1]
         return cands
+
+
+def say_restored_instead(ck: Checkpointer, skipped: list[str]) -> None:
+    """Coordinator, after a restore that skipped newer checkpoints: say which one it loaded.
+    Each skip was warned about as it happened ("falling back to an older checkpoint"); without
+    this line a plain loop's log never named the checkpoint the run went on from."""
+    rep = ck.last_restore
+    if rep is None:
+        return
+    names = ", ".join(s.split(" (step ")[0].rsplit("/", 1)[-1] for s in skipped)
+    log.warning(
+        "resumed at step %d from %s (%s) instead of the %d newer checkpoint(s) skipped as "
+        "said above (%s): the steps after %d are trained again",
+        rep.step,
+        rep.path,
+        f"remote copy {rep.remote_url}" if rep.tier == "remote" else "local copy",
+        len(skipped),
+        names,
+        rep.step,
+    )
