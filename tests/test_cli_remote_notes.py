@@ -97,3 +97,37 @@ def test_a_store_that_holds_nothing_is_said_with_the_command_and_what_to_check(t
         said = [line for line in r.stderr.splitlines() if "holds no checkpoint" in line]
         assert said and said[0].startswith(f"resilient-ckpt {command}: the remote {typo}"), said
         assert "check the URL" in said[0], said
+
+
+def test_gc_remote_keeps_the_checkpoints_a_killed_run_had_not_uploaded(tmp_path):
+    """A run with a remote tier killed while its uploads were behind leaves newer checkpoints
+    only in DIR; its restart uploads them. ``gc DIR --remote URL`` deleted them by the local
+    ``keep_last`` (the trainer's own retention never deletes one waiting for its upload): the
+    only copy of a checkpoint the remote retention would have kept. It keeps them now, saying
+    why, and deletes them once the remote holds a newer checkpoint of the run."""
+    import shutil
+
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    root, store = tmp_path / "ck", tmp_path / "remote"
+    state = {"w": torch.zeros(4)}
+    url = f"file://{store}"
+    with Checkpointer(root, remote=url, keep_last=3, async_save=False) as ck:
+        for step in (1, 2, 3):
+            state["w"] += 1
+            ck.save(step, state)
+    for name in ("step_000000002", "step_000000003"):  # as if never uploaded
+        shutil.rmtree(store / name)
+    r = cli("gc", str(root), "--keep-last", "1", "--remote", url)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (root / "step_000000002").is_dir(), r.stdout
+    assert "keep step_000000002 (step 2, valid): not uploaded" in r.stdout, r.stdout
+    assert "would delete" not in r.stdout and "deleted step_000000001" in r.stdout, r.stdout
+
+    r = cli("push", str(root), url)  # the remote now holds step 3: step 2 may go
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = cli("gc", str(root), "--keep-last", "1", "--remote", url)
+    assert r.returncode == 0 and "deleted step_000000002" in r.stdout, r.stdout + r.stderr
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_000000003"]

@@ -22,7 +22,7 @@ from .cli_format import (
     print_json,
     status_text,
 )
-from .cli_nodes import committed_keys, is_part, keep_uncommitted_parts
+from .cli_nodes import committed_keys, is_part, is_uploaded_by_run, keep_uncommitted_parts
 from .cli_scan import no_checkpoints, public, resolve, row
 from .commit import (
     LATEST_TMP_PREFIX,
@@ -75,9 +75,12 @@ def _plan(
 
 
 def _committed(entries: list[Entry], args: argparse.Namespace) -> set[tuple[str, int]] | None:
-    """In a node's directory of a node-local run, with ``--remote``: the checkpoints the remote
-    holds committed (:mod:`.cli_nodes`); None otherwise (not needed, or not known)."""
-    if not getattr(args, "remote", None) or not any(is_part(e) for e in entries):
+    """In a node's directory of a node-local run, or one of a run with a remote tier, with
+    ``--remote``: the checkpoints the remote holds committed (:mod:`.cli_nodes`); None
+    otherwise (not needed, or not known)."""
+    if not getattr(args, "remote", None) or not any(
+        is_part(e) or is_uploaded_by_run(e) for e in entries
+    ):
         return None
     return committed_keys(args.remote, args.option)
 

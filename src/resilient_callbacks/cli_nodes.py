@@ -8,7 +8,8 @@ Each node's retention sees only its own disk, so its "newest" may be a step anot
 (a save cut off mid-commit). So ``gc`` deletes a node's part by retention only once the remote
 store is seen to hold that checkpoint, or a newer one of its run, committed (``--remote
 URL``); without ``--remote`` it cannot tell and keeps every part, and says how to let it
-delete."""
+delete. With ``--remote URL``, a whole checkpoint of a shared-``dirpath`` run with a remote tier
+newer than every one of its run the store holds (not uploaded yet) is kept by the same rule."""
 
 from __future__ import annotations
 
@@ -26,11 +27,22 @@ NOT_COMMITTED = (
     "a node's part not committed remotely yet: may be the only copy of its ranks' files "
     "(the run uploads it when it starts again)"
 )
+NOT_UPLOADED = (
+    "not uploaded (newer than every checkpoint of its run the remote holds): the only copy; "
+    "the run's next start uploads what its remote retention keeps, `resilient-ckpt push DIR "
+    "URL` uploads it now"
+)
 
 
 def is_part(e: Entry) -> bool:
     """``e`` is one node's part of a node-local checkpoint."""
     return e.manifest is not None and bool(e.manifest.extra.get("node"))
+
+
+def is_uploaded_by_run(e: Entry) -> bool:
+    """``e`` is a whole checkpoint of a run with a remote tier (its manifest records the
+    remote retention), which the run's uploader sends to the store."""
+    return e.manifest is not None and bool(e.manifest.remote_retention) and not is_part(e)
 
 
 def committed_keys(url: str, options: Any) -> set[tuple[str, int]]:
@@ -47,16 +59,24 @@ def keep_uncommitted_parts(
     """Take out of ``p.delete`` every node's part whose checkpoint is not in ``committed`` (the
     remote's committed keys; None: the remote was not listed), kept with the reason why. A
     part older than a checkpoint of its run the remote holds committed goes too (the remote
-    retention deleted its own copy): no restore needs it, nor does the run upload it again."""
+    retention deleted its own copy): no restore needs it, nor does the run upload it again.
+    With ``committed`` known, a whole checkpoint of a run with a remote tier is kept by the
+    same rule (:data:`NOT_UPLOADED`): ``gc DIR --remote URL`` deleted the checkpoints a killed
+    run had not uploaded yet, which its restart would have uploaded (the trainer's own
+    retention never deletes one waiting for its upload). Without ``--remote`` gc cannot tell
+    and deletes such a checkpoint by retention, as before."""
     newest: dict[str, int] = {}
     for run, seq in committed or ():
         newest[run] = max(seq, newest.get(run, seq))
     for e in entries:
-        if e.name not in p.delete or not is_part(e):
+        part = is_part(e)
+        if e.name not in p.delete or not (
+            part or (committed is not None and is_uploaded_by_run(e))
+        ):
             continue
         assert e.manifest is not None
         run, seq = e.manifest.run_id, e.manifest.seq
         if committed is not None and ((run, seq) in committed or seq < newest.get(run, -1)):
             continue
         p.delete.remove(e.name)
-        p.keep[e.name] = [UNKNOWN if committed is None else NOT_COMMITTED]
+        p.keep[e.name] = [UNKNOWN if committed is None else NOT_COMMITTED if part else NOT_UPLOADED]
