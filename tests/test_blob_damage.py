@@ -182,6 +182,9 @@ def test_restore_from_remote_copies_corrupt_through_a_blob_points_at_verify_of_t
     said = str(got.value)
     assert f"`resilient-ckpt verify {url} --all` names a blob they share" in said, said
     assert f"verify {root} " not in said, said
+    # each skipped copy is named where it lies (it read "step_000000002 (step 2): the blob
+    # blobs/... is missing or torn", which a new machine's user took for the local directory)
+    assert f"(step 2): remote copy {url}/step_000000002: the blob blobs/{blob.name}" in said
     assert f"`resilient-ckpt gc {root} --remote {url} --remove-corrupt`" in said, said
     rc, out = _cli(capsys, "verify", url, "--all")  # the command it names does name the blob
     assert rc == 1 and blob.name in out, out

@@ -16,6 +16,7 @@ start where nothing of the directory is loaded (``fresh_start``, ``continued_fro
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -158,6 +159,9 @@ class Restorer(RunStart, CandidateLoader):
             if c.remote and not c.problem:
                 remote_url = restore_remote.url_of(ck, c)
                 c = restore_remote.fetch(ck, c)
+            elif c.remote and c.problem and c.path is None:  # found by the listing: say where
+                where = f"remote copy {restore_remote.url_of(ck, c)}"  # (as a download's does)
+                c = dataclasses.replace(c, problem=f"{where}: {c.problem}")
             if c.problem:
                 skipped.append(f"{c.where} (step {c.step}): {c.problem}")
                 if strict:
