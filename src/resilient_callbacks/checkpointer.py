@@ -95,8 +95,10 @@ class Checkpointer(CheckpointerQueries):
     - ``telemetry``: where the checkpoint metrics go: ``"prometheus:9464"``,
       ``"textfile:PATH.prom"``, ``"pushgateway:URL"``, ``"mlflow"``, a callable, or a list of
       these (docs/monitoring.md). :meth:`metrics` reads them without any sink.
-    - ``incremental``: a replicated tensor whose bytes an earlier committed checkpoint of the
-      run stored already is not written again (docs/incremental.md).
+    - ``incremental`` (``True`` or ``"hash"``): a replicated tensor whose bytes an earlier
+      committed checkpoint of the run stored already is not written again; ``"hash"`` hashes
+      every tensor at every save, for frozen tensors written through ``.data`` or NumPy
+      (docs/incremental.md).
     - ``compression`` (``"none"``, ``"zstd"``, ``"auto"``), ``compression_level``,
       ``compression_shuffle``: zstd-compress the tensor files (the ``zstd`` extra).
     - ``read_only``: restore only (an evaluation job, a read-only mount): no lock, nothing
