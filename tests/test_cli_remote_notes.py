@@ -131,3 +131,35 @@ def test_gc_remote_keeps_the_checkpoints_a_killed_run_had_not_uploaded(tmp_path)
     r = cli("gc", str(root), "--keep-last", "1", "--remote", url)
     assert r.returncode == 0 and "deleted step_000000002" in r.stdout, r.stdout + r.stderr
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000000003"]
+
+
+def test_gc_without_remote_keeps_what_the_history_does_not_record_as_uploaded(tmp_path):
+    """The same killed run, ``gc DIR`` without ``--remote``: the directory's history (the
+    uploader's ``upload`` records) tells which checkpoints were uploaded. Those committed after
+    the newest recorded upload are kept, saying why; they went by ``keep_last`` before."""
+    import json
+
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    root = tmp_path / "ck"
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(
+        root, remote=f"file://{tmp_path}/remote", keep_last=4, async_save=False
+    ) as ck:
+        for step in (1, 2, 3, 4):
+            state["w"] += 1
+            ck.save(step, state)
+    hist = root / "history.jsonl"
+    lines = hist.read_text().splitlines(keepends=True)
+    uploads = [json.loads(x) for x in lines if '"upload"' in x]
+    assert [u["name"] for u in uploads] == [f"step_00000000{i}" for i in (1, 2, 3, 4)]
+    # as if killed once step 1 was uploaded: no record of the others
+    hist.write_text("".join(x for x in lines if '"upload"' not in x or '"step": 1,' in x))
+    r = cli("gc", str(root), "--keep-last", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for n in (2, 3):
+        assert f"keep step_00000000{n} (step {n}, valid): not uploaded as far as the" in r.stdout
+    assert "deleted step_000000001" in r.stdout, r.stdout
+    assert sorted(p.name for p in root.glob("step_*")) == [f"step_00000000{i}" for i in (2, 3, 4)]

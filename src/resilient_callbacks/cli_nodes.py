@@ -13,8 +13,10 @@ newer than every one of its run the store holds (not uploaded yet) is kept by th
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from . import history
 from .catalog import Entry
 from .retention import Plan
 
@@ -26,6 +28,11 @@ UNKNOWN = (
 NOT_COMMITTED = (
     "a node's part not committed remotely yet: may be the only copy of its ranks' files "
     "(the run uploads it when it starts again)"
+)
+NOT_UPLOADED_HISTORY = (
+    "not uploaded as far as the directory's history shows (committed after the newest upload "
+    "it records): may be the only copy; the run's next start uploads what its remote "
+    "retention keeps; `gc DIR --remote URL` checks the store itself"
 )
 NOT_UPLOADED = (
     "not uploaded (newer than every checkpoint of its run the remote holds): the only copy; "
@@ -63,13 +70,17 @@ def keep_uncommitted_parts(
     With ``committed`` known, a whole checkpoint of a run with a remote tier is kept by the
     same rule (:data:`NOT_UPLOADED`): ``gc DIR --remote URL`` deleted the checkpoints a killed
     run had not uploaded yet, which its restart would have uploaded (the trainer's own
-    retention never deletes one waiting for its upload). Without ``--remote`` gc cannot tell
-    and deletes such a checkpoint by retention, as before."""
+    retention never deletes one waiting for its upload). Without ``--remote``, the directory's
+    history tells (:func:`not_uploaded`)."""
     newest: dict[str, int] = {}
     for run, seq in committed or ():
         newest[run] = max(seq, newest.get(run, seq))
+    pending = not_uploaded(entries, p) if committed is None else set()
     for e in entries:
         part = is_part(e)
+        if e.name in pending:
+            p.delete.remove(e.name)
+            p.keep[e.name] = [NOT_UPLOADED_HISTORY]
         if e.name not in p.delete or not (
             part or (committed is not None and is_uploaded_by_run(e))
         ):
@@ -80,3 +91,34 @@ def keep_uncommitted_parts(
             continue
         p.delete.remove(e.name)
         p.keep[e.name] = [UNKNOWN if committed is None else NOT_COMMITTED if part else NOT_UPLOADED]
+
+
+def not_uploaded(entries: list[Entry], p: Plan) -> set[str]:
+    """The names in ``p.delete`` of whole checkpoints of a run with a remote tier that its
+    directory's history (``upload`` records, written by the uploader) does not record as
+    uploaded and that were committed after the newest one it records: a run killed with its
+    uploads behind, whose restart uploads them (those older, skipped by an uploader that fell
+    behind, are no longer due). A run whose history records no upload at all is not judged
+    (a history lost, or a directory copied without it): gc deletes by retention, as before."""
+    out: set[str] = set()
+    seen: dict[tuple[str, str], tuple[frozenset[str], float]] = {}  # (read once per command)
+    for e in entries:
+        if e.name not in p.delete or not is_uploaded_by_run(e):
+            continue
+        assert e.manifest is not None
+        key = (os.path.dirname(e.path), e.manifest.run_id)
+        names, newest = seen[key] if key in seen else seen.setdefault(key, _uploads(*key))
+        if names and e.name not in names and e.manifest.created > newest:
+            out.add(e.name)
+    return out
+
+
+def _uploads(root: str, run_id: str) -> tuple[frozenset[str], float]:
+    """The names of run ``run_id``'s checkpoints whose upload the history of ``root`` records,
+    and the newest one's commit time (the record's time less its ``lag_s``)."""
+    names, newest = set(), 0.0
+    for r in history.records(root, ("upload",)):
+        if r.get("run_id") == run_id and isinstance(name := r.get("name"), str):
+            names.add(name)
+            newest = max(newest, float(r.get("time") or 0.0) - float(r.get("lag_s") or 0.0))
+    return frozenset(names), newest
