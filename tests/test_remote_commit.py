@@ -597,3 +597,34 @@ def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_un
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and errors[0].startswith("step 8 (commit 3) is an archive point")
     assert "node(s) 1 hold no part of it" in errors[0], errors
+
+
+def test_a_wait_for_the_commits_returns_only_once_the_commit_is_recorded(tmp_path):
+    """``on_committed`` (the coordinator's ``upload`` record in its history, which a restart
+    reads to tell an archive point deleted from the store on purpose from one never uploaded)
+    runs before :meth:`RemoteCommitter.wait` counts the commit done. Before, the committer
+    marked it done first: close() went on while the record was still to be written, and a
+    process that exited then (or a test that read the history at once) had no record of it."""
+    store, files, key, m, first, up = _setup(tmp_path)
+    first.stop()
+    done_when_recorded: list[bool] = []
+    committer = RemoteCommitter(
+        store,
+        2,
+        RetentionPolicy(keep_last=None),
+        max_attempts=1,
+        on_committed=lambda p: done_when_recorded.append(committer.wait(timeout=0)),
+    )
+    try:
+        committer.expect(key, "step_000000002", encode_json(m.to_json()), "step_000000002")
+        for node in (0, 1):
+            up[node].enqueue("step_000000002", "step_000000002", key, [files[node]])
+            assert up[node].wait(120)
+            for rep in up[node].take_reports():
+                committer.report(node, rep)
+        assert committer.wait(120) is True
+        assert done_when_recorded == [False]  # (recorded while a wait still waited for it)
+    finally:
+        committer.stop()
+        for u in up:
+            u.stop()

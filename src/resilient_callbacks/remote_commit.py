@@ -386,6 +386,13 @@ class RemoteCommitter(UploadThread):
                     p.name,
                     self.max_attempts,
                 )
+            # recorded before the commit counts as done: a wait (close()) returns only once
+            # the record is written, so a process that exits then has it
+            if ok and self.on_committed is not None:
+                try:
+                    self.on_committed(p)
+                except Exception as e:  # (a record: never a reason for the commits to stop)
+                    log.warning("could not record the remote commit of %s: %s", p.name, e)
             with self._cond:
                 self._ready.remove(key)
                 self._pending.pop(key, None)
@@ -400,11 +407,6 @@ class RemoteCommitter(UploadThread):
                     self._kept += [p.local] if p.local else []
                 self._busy = False
                 self._cond.notify_all()
-            if ok and self.on_committed is not None:
-                try:
-                    self.on_committed(p)
-                except Exception as e:  # (a record: never a reason for the commits to stop)
-                    log.warning("could not record the remote commit of %s: %s", p.name, e)
             if ok and not self._stop:  # (stopped: close() gave up on this commit and
                 self._retention(p.name, key[0])  # released the store: it deletes nothing)
 
