@@ -98,3 +98,27 @@ def test_an_archive_point_never_uploaded_is_uploaded_at_a_restart_that_makes_it_
     assert "not uploading step 4 (commit 2) again: committed remotely" in out[0][-1]["log"]
     assert not (remote / "step_000000004").exists()
     assert (tmp_path / "node1" / "step_000000004").is_dir()  # (its copies stay)
+
+
+@pytest.mark.slow  # two runs of two ranks (about 5 s)
+def test_an_archive_point_whose_global_manifest_is_unreadable_is_not_uploaded_at_each_restart(
+    tmp_path,
+):
+    """As above, the archive point of step 4 (commit 2) was never uploaded; the global manifest
+    the coordinator kept beside node 0's part (what its remote commit writes) is gone. Every
+    node uploaded its part all the same, which no commit could ever name: a full checkpoint's
+    bytes sent again at every restart, left in the store uncommitted. Now no node uploads it,
+    and the coordinator's ERROR names the file and what commits it."""
+    _run(tmp_path, "first", 2, "--steps", "8", "--remote-every", "3", RC_KEEP_EVERY=4)
+    (tmp_path / "node0" / "step_000000004" / "remote_manifest.json").unlink()
+    out = _run(tmp_path, "second", 2, "--steps", "8", "--remote-every", "2", RC_KEEP_EVERY=4,
+               RC_CAPTURE_LOG=1)  # fmt: skip
+    assert [rank[0]["restored"] for rank in out] == [8, 8], out
+    assert not (tmp_path / "remote" / "step_000000004").exists(), out[1][-1]["log"]
+    said = out[0][-1]["log"]
+    assert "step 4 (commit 2) is an archive point the store" in said, said
+    assert "remote_manifest.json cannot be read" in said, said
+    for rank in out:
+        assert "uploading its part of step_000000004" not in rank[-1]["log"], rank[-1]["log"]
+    for node in (0, 1):  # (its parts stay on the disks)
+        assert (tmp_path / f"node{node}" / "step_000000004").is_dir()

@@ -628,3 +628,40 @@ def test_a_wait_for_the_commits_returns_only_once_the_commit_is_recorded(tmp_pat
         committer.stop()
         for u in up:
             u.stop()
+
+
+def test_an_older_archive_point_whose_commit_the_coordinator_cannot_write_is_not_uploaded(
+    tmp_path, caplog
+):
+    """Rank 0 names, in the restore's gather, the older archive points whose global manifest
+    (beside its part) it cannot read: no node uploads them (each restart sent every part again
+    for a commit that could never be written), and its ERROR names the file."""
+    import logging
+
+    from resilient_callbacks import node_recovery
+    from resilient_callbacks.node_files import REMOTE_MANIFEST
+    from resilient_callbacks.nodelocal import NodeDirectory
+    from resilient_callbacks.topology import Topology
+
+    d = NodeDirectory.__new__(NodeDirectory)  # the coordinator's, as open() leaves it
+    d.dirpath, d.run_id, d.remote = str(tmp_path), "run1", None
+    d.topology = Topology(0, 2, ((0,), (1,)))
+    older = []
+    for q, s in ((2, 4), (3, 8)):
+        m = Manifest(
+            step=s, run_id="run1", seq=q, world_size=2, files=[], extra={"nodes": [[0], [1]]}
+        )
+        (tmp_path / f"step_{s:09d}").mkdir()
+        older.append((f"step_{s:09d}", m, ("run1", q), f"step_{s:09d}"))
+    write_bytes(str(tmp_path / "step_000000008" / REMOTE_MANIFEST), encode_json(m.to_json()))
+    blocked = node_recovery._uncommittable(d, older)
+    assert [b[0] for b in blocked] == [2] and "remote_manifest.json cannot be read" in blocked[0][1]
+    got = [[None, [[2, 4], [3, 8]], [], blocked], [None, [[2, 4], [3, 8]], None, None]]
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    queued = node_recovery._older_everywhere(d, older, got)
+    assert [x[0] for x in queued] == ["step_000000008"], queued
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and errors[0].startswith("step 4 (commit 2) is an archive point"), (
+        errors
+    )
+    assert "no node uploads it" in errors[0] and "restart the job" in errors[0], errors

@@ -41,17 +41,18 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
     A leader that cannot read its disk (permission denied, the folder gone) skips the
     recovery on every node, with an ERROR: the run resumes, its new checkpoints are uploaded
     as usual (a node's part alone would hold every newer remote commit back)."""
-    topo, planned, problem, recorded = d.topology, None, None, None
+    topo, planned, problem, recorded, blocked = d.topology, None, None, None, None
     if topo.is_leader and d.run_id is not None:
         try:
             planned = _plan(d, remote_keys)
             recorded = committed_seqs(d) if topo.rank == 0 else None
+            blocked = _uncommittable(d, planned[3]) if topo.rank == 0 else None
         except Exception as e:
             problem = f"node {topo.node}: {type(e).__name__}: {e}"
     # (leaders: the older archive points this node holds; rank 0: the remote commits its
-    # history records)
+    # history records, and the older archive points whose commit it cannot write)
     held = None if planned is None else [[x[1].seq, x[1].step] for x in planned[3]]
-    mine: list[Any] = [problem, held, recorded]
+    mine: list[Any] = [problem, held, recorded, blocked]
     got = [mine]
     if topo.cpu_group is not None:  # (every rank: one node's failure is every node's)
         got = dist.all_gather_json(mine, group=topo.cpu_group)
@@ -77,16 +78,52 @@ def committed_seqs(d: NodeDirectory) -> list[int]:
     )
 
 
+def _uncommittable(d: NodeDirectory, older: list[Any]) -> list[list[Any]]:
+    """Coordinator: of its node's ``older`` archive points, those whose remote commit it
+    cannot write (the global manifest kept beside its part unreadable, or of another layout
+    of nodes), as ``[seq, why]``: no node uploads them (parts no commit could ever name,
+    sent again at every restart)."""
+    out: list[list[Any]] = []
+    for local, m, _, _ in older:
+        path = os.path.join(d.dirpath, local, REMOTE_MANIFEST)
+        try:
+            with open(path, "rb") as fh:
+                saved = Manifest.from_json(json.loads(fh.read()), REMOTE_MANIFEST)
+        except Exception as e:  # (gone, permission denied, torn)
+            out.append([m.seq, f"{path} cannot be read ({type(e).__name__}: {e})"])
+            continue
+        nodes = saved.extra.get("nodes")
+        if nodes is not None and nodes != [list(x) for x in d.topology.nodes]:
+            out.append([m.seq, f"{path} names another layout of nodes ({nodes})"])
+    return out
+
+
 def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> list[Any]:
     """Leader: of this node's archive points older than the store's newest commit of the run
-    and absent from it (``older``), those every node holds and whose remote commit rank 0's
-    history does not record: uploaded now, as they never were. Rank 0 says the others."""
+    and absent from it (``older``), those every node holds, whose remote commit rank 0's
+    history does not record and rank 0 can write: uploaded now, as they never were. Rank 0
+    says the others."""
     held = [{int(s): int(t) for s, t in g[1]} for g in got if g[1] is not None]
     recorded = {int(s) for g in got if g[2] is not None for s in g[2]}
+    blocked = {int(s): str(why) for g in got if len(g) > 3 and g[3] for s, why in g[3]}
     steps = {s: t for h in held for s, t in h.items()}
     everywhere = set.intersection(*(set(h) for h in held)) - recorded if held else set()
+    blocked = {s: why for s, why in blocked.items() if s in everywhere}
+    everywhere -= set(blocked)
     if d.topology.rank == 0:
-        _say_older(d, steps, recorded, everywhere, held)
+        _say_older(d, steps, recorded, everywhere | set(blocked), held)  # (held everywhere)
+        for s, why in sorted(blocked.items()):
+            log.error(
+                "step %d (commit %d) is an archive point the store %s lacks, never committed "
+                "remotely, and no node uploads it: %s, and its remote commit writes that "
+                "file. Its parts stay on the nodes' disks only, under the local retention; "
+                "to commit it, make that file readable again (or restore it) and restart the "
+                "job.",
+                steps[s],
+                s,
+                d.remote.url if d.remote is not None else "",
+                why,
+            )
     return [x for x in older if x[1].seq in everywhere]
 
 
