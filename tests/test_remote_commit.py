@@ -665,3 +665,33 @@ def test_an_older_archive_point_whose_commit_the_coordinator_cannot_write_is_not
         errors
     )
     assert "no node uploads it" in errors[0] and "restart the job" in errors[0], errors
+
+
+def test_a_history_without_any_commit_record_says_why_an_archive_point_may_come_back(
+    tmp_path, caplog
+):
+    """A node-local directory written before the coordinator recorded its remote commits
+    (before this upgrade) holds no ``upload`` record: an archive point uploaded then and
+    deleted from the store on purpose since (`gc --remote --drop-archives`) is uploaded again
+    as never uploaded. Rank 0 now says so, with the gc that deletes it again; where the history
+    records commits of the run, it does not."""
+    import logging
+
+    from resilient_callbacks import node_recovery
+    from resilient_callbacks.nodelocal import NodeDirectory
+    from resilient_callbacks.topology import Topology
+
+    d = NodeDirectory.__new__(NodeDirectory)
+    d.dirpath, d.run_id, d.remote = str(tmp_path), "run1", None
+    d.topology = Topology(0, 2, ((0,), (1,)))
+    m = Manifest(step=4, run_id="run1", seq=2, world_size=2, files=[])
+    older = [("step_000000004", m, ("run1", 2), "step_000000004")]
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    for recorded, said in (([3], False), ([], True)):
+        caplog.clear()
+        got = [[None, [[2, 4]], recorded, []], [None, [[2, 4]], None, None]]
+        assert len(node_recovery._older_everywhere(d, older, got)) == 1
+        warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert bool(warned) is said, warned
+    assert "records no remote commit of this run" in warned[0], warned
+    assert "step 4 (commit 2) uploaded now" in warned[0] and "--drop-archives" in warned[0]

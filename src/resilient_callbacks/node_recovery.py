@@ -124,6 +124,20 @@ def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> lis
                 d.remote.url if d.remote is not None else "",
                 why,
             )
+        if everywhere and not recorded:  # (none at all: a history from before the records)
+            url = d.remote.url if d.remote is not None else "the store"
+            log.warning(
+                "the history in %s records no remote commit of this run (written before this "
+                "library recorded them, or lost), so it cannot tell an archive point never "
+                "uploaded from one uploaded and deleted from %s since: %s uploaded now, as "
+                "never uploaded. If you deleted one there on purpose, `resilient-ckpt gc "
+                "--remote %s --drop-archives` (or --drop-all-archives) deletes it again; the "
+                "run's commits are recorded from now on, so it is not uploaded again",
+                d.dirpath,
+                url,
+                ", ".join(f"step {steps[s]} (commit {s})" for s in sorted(everywhere)),
+                url,
+            )
     return [x for x in older if x[1].seq in everywhere]
 
 
