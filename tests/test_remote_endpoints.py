@@ -73,3 +73,18 @@ def test_a_changed_endpoint_variable_opens_the_new_server(s3_server, tmp_path, m
     finally:
         other.stop()
         s3_server.start()
+
+
+def test_an_endpoint_variable_without_a_scheme_is_not_pinned_as_http(monkeypatch):
+    """``AWS_ENDPOINT_URL=host:port`` (no scheme) is left to the client rather than given to
+    fsspec as ``http://host:port``: a secure endpoint written without its scheme would have
+    been reached in the clear. It still tells two stores apart in the key."""
+    from resilient_callbacks.remote_url import pinned
+    from resilient_callbacks.store_key import store_identity
+
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "store.example:9000")
+    assert pinned("s3://bkt/run", {}) == {}
+    assert store_identity({}, "s3")["endpoint_url"] == "http://store.example:9000"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "https://store.example:9000")
+    assert pinned("s3://bkt/run", {}) == {"endpoint_url": "https://store.example:9000"}

@@ -50,7 +50,9 @@ def pinned(url: str, options: dict[str, Any]) -> dict[str, Any]:
     if protocol not in ("s3", "s3a") or "endpoint_url" in store_identity(options):
         return options
     endpoint = configured_endpoint(protocol, options)
-    return {**options, "endpoint_url": endpoint} if endpoint else options
+    # (a variable without a scheme is left to the client: pinning it as http:// would send a
+    # secure endpoint's traffic in the clear, where the client refuses it)
+    return {**options, "endpoint_url": endpoint} if "://" in endpoint else options
 
 
 def refuse_cache(fs: Any, url: str) -> None:

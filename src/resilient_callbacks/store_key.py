@@ -68,7 +68,7 @@ def store_identity(options: Mapping[str, Any], protocol: str = "") -> dict[str, 
     walk(options)
     out = {name: _normal(values[0]) for name, values in found.items()}
     if "endpoint_url" not in out and (value := configured_endpoint(protocol, options)):
-        out["endpoint_url"] = _normal(value)
+        out["endpoint_url"] = _normal(value if "://" in value else f"http://{value}")
     host = urlsplit(out.get("endpoint_url", "")).hostname or ""
     if host and _public(protocol, host):
         del out["endpoint_url"]
@@ -111,11 +111,11 @@ def configured_endpoint(protocol: str, options: Mapping[str, Any]) -> str:
     S3 (as botocore looks it up) ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, then the AWS
     config file's profile (``-o profile=NAME``, else ``AWS_PROFILE``): its ``services``
     section's ``s3`` ``endpoint_url``, then its own ``endpoint_url``; on GCS
-    ``STORAGE_EMULATOR_HOST``. Without the profile's, two servers reached by two profiles
+    ``STORAGE_EMULATOR_HOST``, as written (a host without a scheme stays so). Without the profile's, two servers reached by two profiles
     were one store to the claims (a second writer refused as another run's)."""
     for var in _ENV_ENDPOINTS.get(protocol, ()):
         if (value := os.environ.get(var, "").strip()) and not _env_endpoints_ignored():
-            return value if "://" in value else f"http://{value}"
+            return value
     if protocol not in ("s3", "s3a") or _env_endpoints_ignored():
         return ""
     return _profile_endpoint(options.get("profile"))
