@@ -143,7 +143,11 @@ class FlakyProxy:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # (close's shutdown waits for serve_forever to look at its flag: every poll_interval,
+        # 0.5 s by default, an average of 0.25 s a proxy)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        )
         self.thread.start()
 
     @property
