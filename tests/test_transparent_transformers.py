@@ -23,6 +23,7 @@ pytest.importorskip("transformers")
 from huggingface_hub.utils import filter_repo_objects
 
 import hf_train
+import spawn_ranks
 from resilient_callbacks import ConfigError, catalog
 from resilient_callbacks.transformers import ResilientCheckpoint, checks
 
@@ -228,7 +229,12 @@ def test_the_resume_is_announced_in_the_default_output(tmp_path):
     (newest / "shared.safetensors").write_bytes(bytes(data))
     cmd = [sys.executable, str(SCRIPT), str(out), "--max-steps", "5", "--default-logging"]
     cmd += ["--out-jsonl", str(tmp_path / "s.jsonl"), "--out-final", str(tmp_path / "f")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    if "TRANSFORMERS_VERBOSITY" in os.environ:  # (read at import: the zygote's would differ)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
+    else:  # forked from the zygote that imported Transformers (test_transformers.py's)
+        hf = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+        zygote = spawn_ranks.shared_zygote("hf_train", **hf)
+        p = spawn_ranks.run_python(cmd, _env(), timeout=240, zygote=zygote)
     assert p.returncode == 0, p.stderr[-4000:]
     text = p.stdout + p.stderr
     line = next((x for x in text.splitlines() if "ResilientCheckpoint: resumed" in x), None)
