@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -1018,12 +1017,9 @@ with Checkpointer(root) as ck:
 def test_a_fallback_is_printed_once_without_logging_configured(tmp_path, logging_setup):
     """Warned and logged: with no logging handler, logging's last-resort handler printed the
     warning's text a second time on stderr."""
-    out = subprocess.run(
-        [sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "ck"), logging_setup],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    # forked from the session's zygote (torch imported once), no logging set up there either
+    argv = [sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "ck"), logging_setup]
+    out = spawn_ranks.run_python(argv, timeout=120)
     assert out.returncode == 0, out.stderr
     said = [line for line in out.stderr.splitlines() if "falling back to an older" in line]
     if logging_setup == "none":
