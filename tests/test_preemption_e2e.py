@@ -231,7 +231,9 @@ class _Notice(BaseHTTPRequestHandler):
 def test_cloud_notice_triggers_the_emergency_save(tmp_path):
     handler = type("Handler", (_Notice,), {"notice": False})
     server = HTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    ).start()  # (shutdown() waits for a poll: 0.5 s by default)
     url = f"http://127.0.0.1:{server.server_address[1]}/notice"
     w = torch.zeros(4)
     try:

@@ -61,7 +61,9 @@ def test_a_pushgateway_blip_loses_only_the_push_it_hit(tmp_path: Path, caplog):
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    ).start()  # (shutdown() waits for a poll: 0.5 s by default)
     url = f"http://127.0.0.1:{server.server_address[1]}"
     state = _state()
     try:

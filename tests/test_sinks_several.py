@@ -137,7 +137,9 @@ def test_two_pushgateway_sinks_with_one_grouping_key_name_the_conflict(tmp_path:
             pass
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    ).start()  # (shutdown() waits for a poll: 0.5 s by default)
     sink = f"pushgateway:http://127.0.0.1:{server.server_address[1]}"
     try:
         with (
@@ -220,7 +222,9 @@ def test_a_pushgateway_sink_still_finishing_its_last_push_is_no_conflict(tmp_pat
 
     release = threading.Event()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Gateway)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    threading.Thread(
+        target=server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+    ).start()  # (shutdown() waits for a poll: 0.5 s by default)
     sink = f"pushgateway:http://127.0.0.1:{server.server_address[1]}"
     try:
         with caplog.at_level(logging.WARNING, logger="resilient_callbacks"):
