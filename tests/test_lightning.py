@@ -1324,10 +1324,11 @@ def test_sigkill_then_sigterm_then_rerun_is_bit_exact(tmp_path, reference):
     kill_at = rng.randint(14, 30)
     term_at = rng.randint(kill_at + 8, 50)
     jsonl = tmp_path / "losses.jsonl"
-    argv = _argv(tmp_path, "--sleep", "0.02")
+    argv = _argv(tmp_path)
 
     # each run waits in the chosen step for its signal (--hold-at): it lands there however
-    # loaded the machine (the SIGTERM had 14 steps of 0.02 s to land before the run ended)
+    # loaded the machine (the SIGTERM had 14 steps of 0.02 s to land before the run ended;
+    # no sleep per step since)
     p = _start([*argv, "--hold-at", str(kill_at)], tmp_path / "err1.txt")
     killed = _wait_for_step(jsonl, 0, kill_at, p, tmp_path / "err1.txt")
     _kill(p)
