@@ -640,13 +640,14 @@ def test_sbatch_preempted_requeued_resumed(tmp_path: Path, procs: list[_Proc], t
         PYTHON=sys.executable,
         SLURM_PROCID="0",
         SLURM_NTASKS="1",
-        TRAIN_ARGS="--steps 30 --every 5 --sleep 0.03",
+        TRAIN_ARGS="--steps 30 --every 5",
         OUT_DIR=str(out_dir),
     )
     losses = out_dir / "losses.rank0.jsonl"
     stop_at = random.Random(SEED + 2).randint(8, 22)
     # the trainer waits after step stop_at for the signal (tests/hold_site): it lands there
-    # however loaded the machine (it had 0.03 s a step to land before the run ended)
+    # however loaded the machine (it had 0.03 s a step to land before the run ended; no sleep
+    # per step since)
     held = dict(env, RC_HOLD_AT_STEP=str(stop_at))
     held["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(ROOT / "tests" / "hold_site"), env.get("PYTHONPATH")) if p
