@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,13 @@ import torch
 from torch import nn
 
 import spawn_ranks
-from resilient_callbacks import Checkpointer, CheckpointWriteError, PerRank, catalog
+from resilient_callbacks import (
+    Checkpointer,
+    CheckpointWriteError,
+    PerRank,
+    ResumableDataLoader,
+    catalog,
+)
 
 SCRIPT = Path(__file__).with_name("train_script.py")
 WORLD = 2
@@ -150,6 +158,9 @@ def step_worker(root: str, out: str) -> None:
     rank = dist.get_rank()
     plain = {"history": [1, 2, 3] if rank == 0 else [], "best": 0.5 if rank == 0 else None}
     state = {"model": nn.Linear(4, 4), "mine": PerRank({"rank": rank}), "extra": plain}
+    state["loader"] = PerRank(ResumableDataLoader(range(8), 2, num_replicas=2, rank=rank, seed=0))
+    state["buffers"] = PerRank({"b": torch.full((2,), float(rank))}, new_ranks="rank0")
+    next(iter(state["loader"].obj))  # a position of one batch on each rank
     res: dict[str, Any] = {}
 
     def failing(step: int, st: dict) -> Any:
@@ -361,7 +372,7 @@ def test_failure_on_one_rank_commits_nothing_and_keeps_older_checkpoint(tmp_path
     assert not [n for n in os.listdir(root) if n.startswith(".staging-")]
 
 
-def test_ranks_that_pass_different_steps_commit_nothing(tmp_path):
+def test_ranks_that_pass_different_steps_commit_nothing(tmp_path, caplog):
     """One save, step 10 on rank 0 and 9 on rank 1 (the distributed probe): it committed one
     checkpoint of step 10 holding rank 1's files of step 9, in silence; a key only rank 1 had
     was dropped, and no checkpoint could be resumed from. Now every rank gets the same
@@ -376,15 +387,26 @@ def test_ranks_that_pass_different_steps_commit_nothing(tmp_path):
         assert res["keys_error"]["failed_ranks"] == [1], res
         assert "must save the same state" in res["keys_error"]["message"], res
         assert res["steps"] == [5], res
-    # resumed on one rank: rank 1's PerRank state is not loaded, and that is said (it was not)
-    mine = {"rank": None}
+    # resumed on one rank: rank 1's PerRank state is not loaded. Said as a warning only of
+    # 'mine', which nothing replaces; the loader (re-sharded from rank 0's position) and the
+    # part marked new_ranks='rank0' are said at INFO (the warning named them all as not loaded)
+    mine, buffers = {"rank": None}, {"b": torch.zeros(2)}
+    loader = ResumableDataLoader(range(8), 2, num_replicas=1, rank=0, seed=0)
     state = {"model": nn.Linear(4, 4), "mine": PerRank(mine), "extra": {}}
-    with (
-        Checkpointer(root) as ck,
-        pytest.warns(UserWarning, match="PerRank state of rank 1 is not loaded"),
-    ):
+    state.update(loader=PerRank(loader), buffers=PerRank(buffers, new_ranks="rank0"))
+    caplog.set_level(logging.INFO, logger="resilient_callbacks")
+    with Checkpointer(root) as ck, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         assert ck.restore(state) == 5
-    assert mine == {"rank": 0}
+    assert mine == {"rank": 0} and buffers["b"].tolist() == [0.0, 0.0]
+    assert len(list(loader)) == 2  # the 4 samples of 8 the two ranks had not taken
+    gone = [str(w.message) for w in caught if "PerRank state of rank 1" in str(w.message)]
+    assert len(gone) == 1 and "in 'mine' is not loaded and nothing takes its place" in gone[0]
+    assert "'loader'" not in gone[0] and "'buffers'" not in gone[0], gone
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    taken = [m for m in said if "PerRank state of rank 1" in m]
+    assert len(taken) == 1 and "'buffers' is marked PerRank(new_ranks='rank0')" in taken[0], said
+    assert "'loader' is a ResumableDataLoader" in taken[0], taken
 
 
 if __name__ == "__main__" and len(sys.argv) >= 2 and sys.argv[1] == "step-worker":

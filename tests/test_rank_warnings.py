@@ -188,7 +188,7 @@ def test_the_per_rank_state_of_the_ranks_gone_is_said_where_only_other_ranks_hol
     argv = [sys.executable, __file__, "gone-worker", root, "2"]
     outputs = spawn_ranks.run(argv, 2, tmp_path, "restore", deadline=240).outputs
     shown = "\n".join(outputs)
-    assert _count(outputs, "the PerRank state of rank 2 is not loaded") == [1, 0], shown
+    assert _count(outputs, "the PerRank state of rank 2 in 'mine' is not loaded") == [1, 0], shown
     assert _count(outputs, "the RNG states of rank 2 are not loaded") == [1, 0], shown
 
 

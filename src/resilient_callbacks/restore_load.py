@@ -164,8 +164,9 @@ class CandidateLoader:
             local_exc = e
         local_exc = local_exc or notices.first_raising(warns)  # (-W error: every rank stops)
         failure = None if local_exc is None else f"{type(local_exc).__name__}: {local_exc}"
-        # (and whether the ranks gone's state is dropped: any rank's part tells)
-        gathered = dist.all_gather_json([failure, mine, bool(part.per_rank)])
+        # (and the ranks gone's PerRank parts: any rank's part tells)
+        held = sorted(part.per_rank) if part is not None else []
+        gathered = dist.all_gather_json([failure, mine, held])
         errors = [e for e, *_ in gathered]
         if any(errors):
             if local_exc is not None:
@@ -174,8 +175,13 @@ class CandidateLoader:
             raise CheckpointMismatchError(f"restore failed on rank {first}: {errors[first]}")
         for w in warns:
             warn_and_log(log, w, UserWarning, stacklevel=AT_CALLER)
-        per_rank, rngs = any(g[2] for g in gathered), any(g[1] for g in gathered)
-        once += state_marks.gone_state(ck.world_size, manifest.world_size, per_rank, rngs)
+        fewer = manifest.world_size > ck.world_size
+        parts = _stand_ins(state, {p for g in gathered for p in g[2]}) if fewer else {}
+        rngs = any(g[1] for g in gathered)
+        gone, taken = state_marks.gone_state(ck.world_size, manifest.world_size, parts, rngs)
+        once += gone
+        for said in taken if ck.is_coordinator else []:  # (nothing lost: no warning)
+            log.info("%s", said)
         once += rng.replacing(ck, ck.dirpath, manifest.step) if mine else []
         for said in once:  # (INFO on the other ranks; said once every rank restored)
             warn_and_log(log, said, UserWarning, stacklevel=AT_CALLER, warn=ck.is_coordinator)
@@ -247,3 +253,22 @@ def _recorded(manifest: Manifest) -> RetentionPolicy | None:
         return RetentionPolicy.from_json(manifest.retention) if manifest.retention else None
     except (ConfigError, TypeError):
         return None
+
+
+def _stand_ins(state: Any, ids: set[str]) -> dict[str, str]:
+    """For :func:`.state_marks.gone_state`: each of the checkpoint's ``PerRank`` part ids
+    ``ids`` with what stands in here for the state of ranks this run has not."""
+    from .data import ResumableDataLoader  # (torch.utils.data: only where restored)
+
+    live = statetree.per_rank_parts(state)
+    out = {}
+    for pid in ids:
+        p = live.get(pid)
+        leaves = [v for _, v in statetree.leaves(p.obj)] if p is not None else []
+        if p is not None and p.new_ranks == "rank0":
+            out[pid] = state_marks.RANK0
+        elif leaves and all(isinstance(v, ResumableDataLoader) for v in leaves):
+            out[pid] = state_marks.LOADER
+        else:
+            out[pid] = state_marks.DROPPED
+    return out

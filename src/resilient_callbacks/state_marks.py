@@ -52,16 +52,57 @@ def gone_ranks(world_size: int, saved_world_size: int) -> str:
     return f"rank {first}" if first == last else f"ranks {first} to {last}"
 
 
-def gone_state(world_size: int, saved_world_size: int, per_rank: bool, rng: bool) -> list[str]:
-    """What rank 0 of a restore on fewer ranks than the save says is not loaded: the ranks
-    gone's ``PerRank`` state (``per_rank``: the checkpoint holds some) and RNG states (``rng``:
-    it holds them and they are restored)."""
+#: how a restore on fewer ranks stands in for a ranks-gone ``PerRank`` part (:func:`gone_state`)
+RANK0, LOADER, DROPPED = "rank0", "loader", "dropped"
+
+
+def gone_state(
+    world_size: int, saved_world_size: int, parts: dict[str, str], rng: bool
+) -> tuple[list[str], list[str]]:
+    """What rank 0 of a restore on fewer ranks than the save says is not loaded of the ranks
+    gone: ``(warnings, infos)``. ``parts``: the checkpoint's ``PerRank`` part ids, each with
+    what takes the gone ranks' state's place here: :data:`RANK0` (marked
+    ``new_ranks="rank0"``: the object takes rank 0's), :data:`LOADER` (a
+    :class:`~resilient_callbacks.ResumableDataLoader`, whose position is the same on every
+    rank and is re-sharded from rank 0's) or :data:`DROPPED` (nothing: a warning). ``rng``:
+    the checkpoint holds RNG states and they are restored (a warning: streams cannot go on)."""
     if saved_world_size <= world_size:
-        return []
+        return [], []
     gone = gone_ranks(world_size, saved_world_size)
     said = f"the checkpoint was written by {saved_world_size} ranks, this run has {world_size}: "
-    return [said + f"the PerRank state of {gone} is not loaded"] * per_rank + [
-        said + f"the RNG states of {gone} are not loaded: their random streams (Python, NumPy, "
-        "torch, CUDA) cannot be continued, so the run does not go on exactly as it would have "
-        f"on {saved_world_size} ranks (rank 0's streams go on)"
-    ] * rng
+    dropped = [p for p, how in sorted(parts.items()) if how == DROPPED]
+    stood_in = [p for p, how in sorted(parts.items()) if how != DROPPED]
+    warnings, infos = [], []
+    if dropped:
+        warnings.append(
+            said + f"the PerRank state of {gone} in {_ids(dropped)} is not loaded and nothing "
+            f"takes its place: what those objects held for {gone} alone (a counter, a generator, "
+            "a data position of their own) is dropped, and this run's ranks go on with their "
+            f"own. If the run needs it, resume on {saved_world_size} ranks; if rank 0's state "
+            "serves every rank (an object that works out its share from it), mark it "
+            "PerRank(obj, new_ranks='rank0') and this is not said."
+        )
+    if stood_in:
+        why = {
+            RANK0: "is marked PerRank(new_ranks='rank0')",
+            LOADER: "is a ResumableDataLoader: its position is the same on every rank, and the "
+            "rest of its epoch is re-sharded over this run's ranks",
+        }
+        infos.append(
+            said + f"the PerRank state of {gone} in {_ids(stood_in)} is not loaded, and rank 0's "
+            "takes its place: "
+            + "; ".join(f"{p!r} {why[parts[p]]}" for p in stood_in)
+            + f". Nothing to do, unless those objects held values of {gone} alone (those are "
+            "not kept)."
+        )
+    if rng:
+        warnings.append(
+            said + f"the RNG states of {gone} are not loaded: their random streams (Python, "
+            "NumPy, torch, CUDA) cannot be continued, so the run does not go on exactly as it "
+            f"would have on {saved_world_size} ranks (rank 0's streams go on)"
+        )
+    return warnings, infos
+
+
+def _ids(ids: list[str]) -> str:
+    return ", ".join(repr(i) for i in ids)

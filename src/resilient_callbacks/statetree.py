@@ -78,18 +78,23 @@ def optimizers(state: Any) -> list[torch.optim.Optimizer]:
     return [v for _, v in leaves(state) if isinstance(v, torch.optim.Optimizer)]
 
 
-def rank0_for_new_ranks(state: Any, path: tuple[Any, ...] = ()) -> set[str]:
-    """The ids of the ``PerRank(..., new_ranks="rank0")`` in ``state``."""
+def per_rank_parts(state: Any, path: tuple[Any, ...] = ()) -> dict[str, PerRank]:
+    """The ``PerRank`` of ``state``, by id (their key in each rank's structure)."""
     if isinstance(state, PerRank):
-        return {part_id(path)} if state.new_ranks == "rank0" else set()
-    out: set[str] = set()
+        return {part_id(path): state}
+    out: dict[str, PerRank] = {}
     if isinstance(state, Mapping):
         for k, v in state.items():
-            out |= rank0_for_new_ranks(v, (*path, k))
+            out.update(per_rank_parts(v, (*path, k)))
     elif isinstance(state, (list, tuple)):
         for i, v in enumerate(state):
-            out |= rank0_for_new_ranks(v, (*path, i))
+            out.update(per_rank_parts(v, (*path, i)))
     return out
+
+
+def rank0_for_new_ranks(state: Any, path: tuple[Any, ...] = ()) -> set[str]:
+    """The ids of the ``PerRank(..., new_ranks="rank0")`` in ``state``."""
+    return {i for i, p in per_rank_parts(state, path).items() if p.new_ranks == "rank0"}
 
 
 def fileparts(state: Any) -> dict[str, FilePart]:
