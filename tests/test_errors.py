@@ -40,3 +40,27 @@ def test_every_error_survives_pickling(e):
         assert (back.pending, back.dirpath, back.url) == (("step_1", "step_2"), "/d", "s3://b")
     if isinstance(e, errors.CheckpointWriteError):
         assert (back.failed_ranks, back.errno) == ((1,), errno.ENOSPC)
+
+
+@pytest.mark.parametrize("e", _instances(), ids=lambda e: type(e).__name__)
+def test_an_error_relayed_from_rank_0_names_its_class_once_and_the_rank(e):
+    """What the other ranks raise for rank 0's error, by class name and message (a restore's
+    listing, the directory's opening, the DCP reader's): it said "on rank 0: <its text>", and
+    the DCP reader's text held the class name again ("CheckpointNotFoundError: on rank 0:
+    CheckpointNotFoundError: no checkpoints in DIR")."""
+    name = type(e).__name__
+    got = errors.relayed(name, str(e))
+    if isinstance(e, errors.UploadIncompleteError):  # (built of more than a message)
+        assert type(got) is errors.CheckpointError and str(got) == f"rank 0 reported: {name}: {e}"
+    else:
+        assert type(got) is type(e) and str(got) == f"rank 0 reported: {e}"
+    assert f"{type(got).__name__}: {got}".count(name) == 1 + str(e).count(name)
+
+
+def test_an_error_of_another_class_relayed_keeps_its_name_in_the_text():
+    got = errors.relayed(
+        "PermissionError", "[Errno 13] denied: '/d'", 2, errors.CheckpointNotFoundError
+    )
+    assert type(got) is errors.CheckpointNotFoundError
+    assert str(got) == "rank 2 reported: PermissionError: [Errno 13] denied: '/d'"
+    assert type(errors.relayed("KeyError", "x")) is errors.CheckpointError

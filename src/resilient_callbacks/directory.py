@@ -29,7 +29,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointWriteError,
     ConfigError,
-    error_type,
+    relayed,
 )
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
@@ -161,7 +161,7 @@ class Directory:
                 )
                 err.errno = error.get("errno")
                 raise err
-            raise error_type(error["type"])(f"on rank 0: {error['msg']}")
+            raise relayed(error["type"], error["msg"])
 
     def release_opened(self) -> None:
         """What an open that failed part-way holds: the remote's threads, the lock."""

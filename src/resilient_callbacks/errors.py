@@ -199,6 +199,23 @@ def error_type(name: str) -> type[CheckpointError]:
     return t if isinstance(t, type) and issubclass(t, CheckpointError) else CheckpointError
 
 
+def relayed(
+    name: str, msg: str, rank: int = 0, default: type[CheckpointError] = CheckpointError
+) -> CheckpointError:
+    """The error another rank raises for one that rank ``rank`` raised (and raises itself),
+    relayed to it by class name ``name`` and message ``msg``: of that class where it is a
+    :class:`CheckpointError` (else ``default``), its text ``rank 0 reported: <msg>``, with
+    ``name`` in it only where the class raised is not ``name``: the class is said once. (A
+    class built of more than a message, :class:`UploadIncompleteError`, is relayed as
+    ``default``.)"""
+    t = error_type(name)
+    t = default if t is CheckpointError and name != "CheckpointError" else t
+    try:
+        return t(f"rank {rank} reported: " + (msg if t.__name__ == name else f"{name}: {msg}"))
+    except TypeError:
+        return default(f"rank {rank} reported: {name}: {msg}")
+
+
 def caller_stacklevel(*through: str) -> int:
     """The ``stacklevel`` of the first frame outside this package, for a ``warnings.warn`` (or
     :func:`warn_and_log`) call made in the function calling this one: the user's call into the

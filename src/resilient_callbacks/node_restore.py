@@ -36,7 +36,7 @@ from .errors import (
     RemoteUnavailableError,
     RemoteWaitPreemptedError,
     ResumeFallbackWarning,
-    error_type,
+    relayed,
     warn_and_log,
 )
 from .manifest import Manifest, read_manifest
@@ -91,7 +91,7 @@ class NodeRestorer(Restorer):
         msg = dist.broadcast_json(msg, group=topo.cpu_group)
         assert msg is not None
         if msg["error"] is not None:
-            raise error_type(msg["error"][0])(msg["error"][1])
+            raise relayed(msg["error"][0], msg["error"][1])
         d.seq = max(d.seq, int(msg["seq"]))
         self._remove_orphans([(str(k[0]), int(k[1])) for k in msg.get("orphans") or []])
         unusable = [str(u) for u in msg.get("unusable") or []]

@@ -38,7 +38,7 @@ from .errors import (
     CheckpointCorruptError,
     CheckpointNotFoundError,
     NoValidCheckpointError,
-    error_type,
+    relayed,
 )
 from .manifest import MANIFEST_NAME, read_manifest
 from .restore_load import GONE, CandidateLoader
@@ -137,7 +137,7 @@ class Restorer(RunStart, CandidateLoader):
         if msg["error"] is not None:
             if pending is not None:
                 raise pending
-            raise error_type(msg["error"]["type"])(msg["error"]["msg"])
+            raise relayed(msg["error"]["type"], msg["error"]["msg"])
         return [Candidate.from_json(c) for c in msg["cands"]]
 
     def _first_loaded(

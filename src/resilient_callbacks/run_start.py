@@ -92,10 +92,11 @@ class RunStart:
         if pending is not None:
             raise pending
         if error is not None:
-            raise error_type(error[0])(
+            t = error_type(error[0])  # (its name said once: in the text where it differs)
+            why = error[1] if t.__name__ == error[0] else f"{error[0]}: {error[1]}"
+            raise t(
                 f"continued_from() stopped on every rank: rank 0 could not read {ck.dirpath} "
-                f"({error[0]}: {error[1]}); nothing was recorded. Make it readable to this job "
-                "and start it again."
+                f"({why}); nothing was recorded. Make it readable to this job and start it again."
             )
         if same_run and new:
             ck._dir.run_id = run

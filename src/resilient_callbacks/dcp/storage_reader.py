@@ -40,12 +40,14 @@ from ..catalog import Depth
 from ..config import local_dirpath
 from ..errors import (
     CheckpointCorruptError,
+    CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
     NoValidCheckpointError,
     ResumeFallbackWarning,
     UnsupportedStateError,
     caller_stacklevel,
+    relayed,
     warn_and_log,
 )
 from ..export_target import within
@@ -220,18 +222,24 @@ class ResilientStorageReader(StorageReader):
         rank, world = (_group_rank(group), _group_size(group)) if together else (0, 1)
         listing: dict[str, Any] = {"paths": [], "error": None, "seq": 0, "abandoned": []}
         self._remote_skipped: list[str] = []  # rank 0: remote checkpoints found damaged
+        pending: Exception | None = None
         if rank == 0:
             try:
                 self._abandoned = []
                 listing["paths"] = self._candidates()
                 listing["seq"], listing["abandoned"] = self._seq, self._abandoned
                 listing["remote_skipped"] = self._remote_skipped
-            except Exception as e:
-                listing["error"] = f"{type(e).__name__}: {e}"
+            except Exception as e:  # raised on rank 0, relayed to the others
+                listing["error"], pending = [type(e).__name__, str(e)], e
         if together:
             listing = dist.broadcast_json(listing, src=_global_rank(group, 0), group=group)
+        if isinstance(pending, CheckpointError):
+            raise pending
+        if pending is not None:  # (an OSError, a remote's: not found, as on the other ranks)
+            raise CheckpointNotFoundError(f"{type(pending).__name__}: {pending}") from pending
         if listing["error"] is not None:
-            raise CheckpointNotFoundError(f"on rank 0: {listing['error']}")
+            name, msg = listing["error"]
+            raise relayed(name, msg, default=CheckpointNotFoundError)
         if not listing["paths"]:
             raise CheckpointNotFoundError(f"no checkpoints in {self.dirpath}")
         here = self.dirpath
