@@ -206,9 +206,10 @@ def main() -> int:
     print(
         f"per-step losses identical: {same_losses}; final weights bit-for-bit identical: {same_weights}"
     )
-    cli = os.path.join(os.path.dirname(sys.executable), "resilient-ckpt")
+    from cli_hint import cli_command  # (examples/: runs the code this demo ran)
+
     ckpts = os.path.relpath(os.path.join(crash, "checkpoints"))
-    print(f"checkpoints: {ckpts}\n  try: {os.path.relpath(cli)} ls {ckpts}")
+    print(f"checkpoints: {ckpts}\n  try: {cli_command('ls', ckpts)}")
     return 0 if same_losses and same_weights else 1
 
 

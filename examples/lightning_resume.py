@@ -177,9 +177,10 @@ def main() -> int:
     same_weights = all(torch.equal(wa[k], wb[k]) for k in wa)
     print(f"\nall {STEPS} per-step losses identical: {same_losses}")
     print(f"final weights identical: {same_weights}")
-    cli = os.path.join(os.path.dirname(sys.executable), "resilient-ckpt")  # .venv's, unactivated
+    from cli_hint import cli_command  # (examples/: runs the code this example ran)
+
     ckpts = os.path.relpath(os.path.join(run_dir, "ckpts"))
-    print(f"checkpoints: {ckpts}\n  try: {os.path.relpath(cli)} ls {ckpts}")
+    print(f"checkpoints: {ckpts}\n  try: {cli_command('ls', ckpts)}")
     return 0 if same_losses and same_weights else 1
 
 

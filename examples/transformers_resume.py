@@ -208,8 +208,9 @@ def main() -> int:
     model = AutoModelForCausalLM.from_pretrained(exported)
     loaded_same = all(torch.equal(v, wb[k]) for k, v in model.state_dict().items())
     print(f"exported to {exported}; from_pretrained gives the final weights: {loaded_same}")
-    cli = os.path.join(os.path.dirname(sys.executable), "resilient-ckpt")  # .venv's, unactivated
-    print(f"  try: {os.path.relpath(cli)} ls {os.path.relpath(os.path.join(resumed, 'ckpts'))}")
+    from cli_hint import cli_command  # (examples/: runs the code this example ran)
+
+    print(f"  try: {cli_command('ls', os.path.relpath(os.path.join(resumed, 'ckpts')))}")
     return 0 if same and loaded_same else 1
 
 

@@ -104,18 +104,65 @@ def test_self_checking_example_reports_an_exact_resume(tmp_path, script, verdict
         assert re.search(r"all \d+ per-step losses identical: True", out), out[-3000:]
     # the command it suggests runs as printed, from where the example ran, without an activated
     # venv (found 2026-12-06: the Lightning and Transformers examples said `resilient-ckpt ls`)
-    hint = re.search(r"try: (\S*resilient-ckpt) (ls \S+)$", out, re.M)
+    # nor the PYTHONPATH the example had (examples/cli_hint.py)
+    hint = re.search(r"try: (\S.* ls \S+)$", out, re.M)
     if script != "deepspeed_resume.py":
         assert hint, out[-2000:]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         r = subprocess.run(
-            [hint.group(1), *hint.group(2).split()],
+            ["bash", "-c", hint.group(1)],
             cwd=tmp_path,
-            env=dict(os.environ, PATH="/usr/bin:/bin"),
+            env=dict(env, PATH="/usr/bin:/bin"),
             capture_output=True,
             text=True,
             timeout=120,
         )
         assert r.returncode == 0 and "valid" in r.stdout, r.stdout + r.stderr
+
+
+def test_the_examples_hint_runs_the_code_the_example_imported(tmp_path):
+    """With a venv set up by another checkout (RESILIENT_VENV shared; scripts/this_checkout.sh
+    puts this checkout's src on PYTHONPATH for the example) the hint said
+    ``.venv/bin/resilient-ckpt ls DIR``, whose console script runs the other checkout's code. A
+    stand-in checkout here: its package's ``__main__`` says where it runs from."""
+    pkg = tmp_path / "other" / "src" / "resilient_callbacks"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "__main__.py").write_text("import sys; print('RAN', __file__, sys.argv[1:])\n")
+    code = f"import sys; sys.path.insert(0, {str(EXAMPLES)!r}); import cli_hint; "
+    code += "print(cli_hint.cli_command('ls', 'my dir'))"
+    no_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+    def hint(**env: str) -> str:
+        r = subprocess.run(
+            [sys.executable, "-c", code],
+            env=dict(no_path, **env),
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return r.stdout.strip()
+
+    said = hint(PYTHONPATH=str(pkg.parent))
+    assert said.startswith("PYTHONPATH=other/src ") and said.endswith(
+        " -m resilient_callbacks ls 'my dir'"
+    ), said
+    r = subprocess.run(
+        ["bash", "-c", said],
+        env=dict(no_path, PATH="/usr/bin:/bin"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert r.stdout.strip() == f"RAN {pkg / '__main__.py'} ['ls', 'my dir']", r.stdout + r.stderr
+    # the venv's own install imported: its console script, as before
+    script = Path(sys.executable).parent / "resilient-ckpt"
+    if script.is_file():
+        assert hint() == f"{os.path.relpath(script, tmp_path)} ls 'my dir'"
 
 
 @pytest.mark.parametrize(
