@@ -1,6 +1,7 @@
 """Shared fixtures: a real S3 API server (moto's ThreadedMotoServer) on 127.0.0.1.
 
-``s3_server`` is one server per test session; it can be stopped and started again on the same
+``s3_server`` is one server per test session (the AWS credentials it needs are set for the
+tests that use it alone); it can be stopped and started again on the same
 port (moto keeps its buckets in-process, so the data survives a restart, like a store that was
 unreachable for a while). ``s3_remote`` gives each test its own bucket and returns the
 ``(url, remote_options)`` pair to pass as ``Checkpointer(remote=url, remote_options=options)``.
@@ -160,23 +161,39 @@ class S3Server:
         return name
 
 
+#: what the tests using the S3 server run with (fake credentials, moto's region): set for those
+#: tests alone (:func:`s3_server`), so that no other test runs with credentials it did not set
+S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+#: those variables as the session found them
+AWS_AT_START = {var: os.environ.get(var) for var in S3_ENV}
+
+
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[S3Server]:
+def _s3_session_server() -> Iterator[S3Server]:
+    """The one S3 server of the session (started once: :func:`s3_server` is its way in)."""
     pytest.importorskip("moto")
     pytest.importorskip("s3fs")
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    for var, value in (
-        ("AWS_ACCESS_KEY_ID", "testing"),
-        ("AWS_SECRET_ACCESS_KEY", "testing"),
-        ("AWS_DEFAULT_REGION", "us-east-1"),
-    ):
-        os.environ.setdefault(var, value)
     server = S3Server(host="127.0.0.1", port=0)
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def s3_server(_s3_session_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """The session's S3 server, and :data:`S3_ENV` in ``os.environ`` for this test alone (and
+    the processes it starts): set at the session's start and never removed, they made every
+    later test of the session run with fake AWS credentials."""
+    for var, value in S3_ENV.items():
+        monkeypatch.setenv(var, value)
+    return _s3_session_server
 
 
 @pytest.fixture

@@ -10,7 +10,9 @@ fsspec keeps one filesystem per set of options: a store opened after ``AWS_ENDPO
 
 from __future__ import annotations
 
-from conftest import S3Server
+import os
+
+from conftest import AWS_AT_START, S3_ENV, S3Server
 from resilient_callbacks import Checkpointer
 from resilient_callbacks.remote import RemoteStore
 
@@ -88,3 +90,14 @@ def test_an_endpoint_variable_without_a_scheme_is_not_pinned_as_http(monkeypatch
     assert store_identity({}, "s3")["endpoint_url"] == "http://store.example:9000"
     monkeypatch.setenv("AWS_ENDPOINT_URL", "https://store.example:9000")
     assert pinned("s3://bkt/run", {}) == {"endpoint_url": "https://store.example:9000"}
+
+
+def test_a_test_using_the_s3_server_has_its_credentials(s3_server):
+    assert {var: os.environ.get(var) for var in S3_ENV} == S3_ENV
+
+
+def test_the_tests_after_it_run_without_them():
+    """(After the tests of this file that used the server.) The session's server set the fake
+    AWS credentials in os.environ at its start and never removed them: every later test ran
+    with them, and one of a missing credential could pass or fail by the order of tests."""
+    assert {var: os.environ.get(var) for var in S3_ENV} == AWS_AT_START
