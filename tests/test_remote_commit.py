@@ -594,9 +594,26 @@ def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_un
     queued = node_recovery._older_everywhere(d, older, got)
     assert [x[0] for x in queued] == ["step_000000004"], queued
     assert "not uploading step 2 (commit 1) again: committed remotely" in caplog.text
+    # what deletes an archive point from the store: gc's options or something outside this
+    # library, never the remote retention (it keeps archive points); it named it
+    info = [r.getMessage() for r in caplog.records if "not uploading step 2" in r.getMessage()]
+    assert "--drop-archives" in info[0] and "by hand" in info[0], info
+    assert "remote retention" not in info[0], info
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and errors[0].startswith("step 8 (commit 3) is an archive point")
     assert "node(s) 1 hold no part of it" in errors[0], errors
+    # what is known: the store lacks it and the history records no commit of it; it said
+    # "never committed remotely", which a history that records none at all (lost with node
+    # 0's disk) cannot tell
+    assert "never committed" not in errors[0] and "does not record" in errors[0], errors
+    assert "nor any remote commit of this run" not in errors[0], errors
+    caplog.clear()
+    lost = [[None, [[1, 2], [2, 4], [3, 8]], []], [None, [[1, 2], [2, 4]], None]]
+    node_recovery._older_everywhere(d, older, lost)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "never committed" not in errors[0], errors
+    assert "nor any remote commit of this run" in errors[0], errors
+    assert "may have been committed and deleted from the store since" in errors[0], errors
 
 
 def test_a_wait_for_the_commits_returns_only_once_the_commit_is_recorded(tmp_path):
@@ -665,6 +682,7 @@ def test_an_older_archive_point_whose_commit_the_coordinator_cannot_write_is_not
         errors
     )
     assert "no node uploads it" in errors[0] and "restart the job" in errors[0], errors
+    assert "never committed" not in errors[0] and "does not record" in errors[0], errors
 
 
 def test_a_history_without_any_commit_record_says_why_an_archive_point_may_come_back(

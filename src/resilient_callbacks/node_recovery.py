@@ -114,14 +114,16 @@ def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> lis
         _say_older(d, steps, recorded, everywhere | set(blocked), held)  # (held everywhere)
         for s, why in sorted(blocked.items()):
             log.error(
-                "step %d (commit %d) is an archive point the store %s lacks, never committed "
-                "remotely, and no node uploads it: %s, and its remote commit writes that "
-                "file. Its parts stay on the nodes' disks only, under the local retention; "
-                "to commit it, make that file readable again (or restore it) and restart the "
-                "job.",
+                "step %d (commit %d) is an archive point the store %s lacks and whose remote "
+                "commit the history in %s does not record%s, and no node uploads it: %s, and "
+                "its remote commit writes that file. Its parts stay on the nodes' disks only, "
+                "under the local retention; to commit it, make that file readable again (or "
+                "restore it) and restart the job.",
                 steps[s],
                 s,
                 d.remote.url if d.remote is not None else "",
+                d.dirpath,
+                _unknown(recorded),
                 why,
             )
         if everywhere and not recorded:  # (none at all: a history from before the records)
@@ -150,26 +152,43 @@ def _say_older(
 ) -> None:
     """Rank 0: the older archive points the store lacks that are not uploaded, and why."""
     dropped = sorted(s for s in steps if s in recorded)
-    if dropped:
+    if dropped:  # (the remote retention keeps archive points: remote_listing.retention_candidates)
         log.info(
             "not uploading %s again: committed remotely by this run (its history records it) "
-            "and deleted from %s since (by `resilient-ckpt gc --remote`, by hand, or by the "
-            "remote retention); the nodes' copies stay while the local retention keeps them",
+            "and deleted from %s since, by `resilient-ckpt gc --remote` (--drop-archives, "
+            "--drop-all-archives, --remove-corrupt of a damaged copy, or --other-runs) or "
+            "outside this library (by hand, or an expiry rule of the store); the nodes' copies "
+            "stay while the local retention keeps them",
             ", ".join(f"step {steps[s]} (commit {s})" for s in dropped),
             d.remote.url if d.remote is not None else "the store",
         )
     for s in sorted(x for x in steps if x not in recorded and x not in everywhere):
         lacking = [str(n) for n, h in enumerate(held) if s not in h]
         log.error(
-            "step %d (commit %d) is an archive point the store %s lacks, never committed "
-            "remotely, and it cannot be: node(s) %s hold no part of it (a disk replaced, or "
-            "a part saved on another layout of nodes). The other nodes' parts stay on their "
-            "disks only, under the local retention; no restore can load it.",
+            "step %d (commit %d) is an archive point the store %s lacks and whose remote "
+            "commit the history in %s does not record%s, and it cannot be uploaded: node(s) "
+            "%s hold no part of it (a disk replaced, or a part saved on another layout of "
+            "nodes). The other nodes' parts stay on their disks only, under the local "
+            "retention; no restore can load it.",
             steps[s],
             s,
             d.remote.url if d.remote is not None else "",
+            d.dirpath,
+            _unknown(recorded),
             ", ".join(lacking),
         )
+
+
+def _unknown(recorded: set[int]) -> str:
+    """What an archive point's missing record means where rank 0's history records no remote
+    commit of the run at all (``recorded`` empty): not that it was never committed."""
+    if recorded:
+        return ""
+    return (
+        " (nor any remote commit of this run: a history written before those records, or "
+        "lost with node 0's disk, so it may have been committed and deleted from the store "
+        "since)"
+    )
 
 
 def _say_skipped(
