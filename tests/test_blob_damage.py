@@ -142,14 +142,15 @@ def test_gc_remote_remove_corrupt_keeps_remote_checkpoints_a_torn_shared_blob_co
 def test_restore_with_every_checkpoint_corrupt_through_a_blob_points_at_verify_all(tmp_path):
     """Every checkpoint corrupt through one damaged blob: restore refused (loudly) and advised
     only `verify`/`gc --remove-corrupt`; it now names `verify DIR --all`, which names the blob
-    and its repair (gc no longer deletes them)."""
+    and its repair, and `gc --remove-blob-corrupt` (`--remove-corrupt` keeps them)."""
     import pytest
 
     from resilient_callbacks.errors import NoValidCheckpointError
 
     root = tmp_path / "run"
     _damage(root / "blobs" / _run(root))
-    said = r"verify .* --all` names a blob they share"
+    # (and `gc DIR --remove-blob-corrupt`: `--remove-corrupt`, which it named, keeps them)
+    said = r"verify .* --all` names what is damaged .*gc .* --remove-blob-corrupt` deletes them"
     with (
         pytest.raises(NoValidCheckpointError, match=said),
         Checkpointer(root, incremental=True, async_save=False) as ck,
@@ -172,6 +173,7 @@ def test_restore_from_remote_copies_corrupt_through_a_blob_points_at_verify_of_t
 
     root, url = tmp_path / "run", f"file://{tmp_path}/durable"
     blob = tmp_path / "durable" / "blobs" / _run(root, url)
+    shutil.copytree(root, tmp_path / "old")  # (the run's directory on the machine that wrote it)
     shutil.rmtree(root)
     blob.write_bytes(blob.read_bytes()[:1000])
     with (
@@ -180,14 +182,21 @@ def test_restore_from_remote_copies_corrupt_through_a_blob_points_at_verify_of_t
     ):
         ck.restore(_state(_model()))
     said = str(got.value)
-    assert f"`resilient-ckpt verify {url} --all` names a blob they share" in said, said
+    assert f"`resilient-ckpt verify {url} --all` names what is damaged" in said, said
     assert f"verify {root} " not in said, said
     # each skipped copy is named where it lies (it read "step_000000002 (step 2): the blob
     # blobs/... is missing or torn", which a new machine's user took for the local directory)
     assert f"(step 2): remote copy {url}/step_000000002: the blob blobs/{blob.name}" in said
-    assert f"`resilient-ckpt gc {root} --remote {url} --remove-corrupt`" in said, said
+    # the repair: it named `gc DIR --remote URL --remove-corrupt`, which keeps a checkpoint
+    # corrupt only through a blob (and gc then named push): push --verify from a whole copy
+    # (plain push compares sizes only), and without one the gc option that does delete them
+    assert f"`resilient-ckpt push DIR {url} --verify`" in said, said
+    assert f"`resilient-ckpt gc {root} --remote {url} --remove-blob-corrupt`" in said, said
+    assert f"--remote {url} --remove-corrupt`" not in said, said
     rc, out = _cli(capsys, "verify", url, "--all")  # the command it names does name the blob
     assert rc == 1 and blob.name in out, out
+    rc, out = _cli(capsys, "push", str(tmp_path / "old"), url, "--verify")
+    assert rc == 0 and _cli(capsys, "verify", url, "--all")[0] == 0, out  # (repaired)
 
 
 def test_the_repair_hint_names_each_tier_tried_and_the_remote_options():
@@ -196,9 +205,13 @@ def test_the_repair_hint_names_each_tier_tried_and_the_remote_options():
     from resilient_callbacks.candidates import repair_hint
 
     said = repair_hint("/ck", "s3://u:pw@b/run/", {"endpoint_url": "x"}, {"/ck/a", "remote:a"})
-    assert said.startswith("`resilient-ckpt verify /ck --all` names a blob they share in the"), said
+    assert said.startswith("`resilient-ckpt verify /ck --all` names what is damaged in the"), said
     # (shell-quoted: unquoted, a shell would expand the stars of the hidden credentials)
     assert "`resilient-ckpt verify 's3://***@b/run' --all`" in said and "pw" not in said, said
-    assert said.endswith("--remove-corrupt` (each with `-o KEY=VALUE` for the remote_options)")
+    assert said.endswith("(each with `-o KEY=VALUE` for the remote_options)"), said
+    assert "not /ck, whose copies are damaged too" in said, said  # (push from another one)
     only_local = repair_hint("/ck", "s3://b/run", None, {"/ck/a"})
-    assert "s3://" not in only_local and "`gc --remove-corrupt`" in only_local, only_local
+    # (`gc --remove-corrupt` keeps a checkpoint corrupt only through a blob)
+    assert "s3://" not in only_local and "`resilient-ckpt gc /ck --remove-blob-corrupt`" in (
+        only_local
+    ), only_local

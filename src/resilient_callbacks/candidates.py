@@ -201,18 +201,33 @@ def tried_as(c: Candidate) -> str:
 
 
 def repair_hint(dirpath: str, remote: Any, options: Any, tried: set[str]) -> str:
-    """The commands that check and remove the checkpoints a restore ``tried`` (local paths,
-    ``remote:<name>``, :func:`.candidates.tried_as`): of the directory, of the remote tier
-    (its URL: ``verify DIR --all`` reads no remote copy, and finds nothing at all in the
-    empty directory of a new machine), or of both."""
-    here = f"{command('verify', dirpath, '--all')} names a blob they share"
+    """The commands that check, repair and remove the checkpoints a restore ``tried`` (local
+    paths, ``remote:<name>``, :func:`.candidates.tried_as`): of the directory, of the remote
+    tier (its URL: ``verify DIR --all`` reads no remote copy, and finds nothing at all in the
+    empty directory of a new machine), or of both. ``gc --remove-corrupt`` keeps a checkpoint
+    corrupt only through a shared blob (it can be repaired): ``--remove-blob-corrupt`` deletes
+    it. A remote copy is repaired by ``push DIR URL --verify`` from a whole local copy (plain
+    ``push`` compares sizes only: a changed byte of the same size stays)."""
+    remove = "deletes them (`--remove-corrupt` keeps those corrupt only through a blob)"
+    here = f"{command('verify', dirpath, '--all')} names what is damaged"
     if remote is None or not any(t.startswith("remote:") for t in tried):
-        return f"{here}; `gc --remove-corrupt`"
+        return (
+            f"{here} (a blob they share, with its repair); "
+            f"{command('gc', dirpath, '--remove-blob-corrupt')} {remove}"
+        )
     url = url_text(str(remote).rstrip("/"))
-    there = f"{command('verify', url, '--all')} names a blob they share in the remote tier"
     local = any(not t.startswith("remote:") for t in tried)
+    there = f"{command('verify', url, '--all')} names what is damaged in the remote tier"
     return (
         (f"{here} in the directory, and " if local else "")
-        + f"{there}; {command('gc', dirpath, '--remote', url, '--remove-corrupt')}"
+        + f"{there} (a blob they share: each one's own files may be whole); "
+        + f"{command('push', 'DIR', url, '--verify')}, DIR a directory that holds whole copies "
+        + "of them (the run's own on the machine that wrote them"
+        + (f", not {dirpath}, whose copies are damaged too" if local else "")
+        + "), uploads what is damaged again, which repairs them; without one they cannot be "
+        + f"repaired: {command('gc', dirpath, '--remote', url, '--remove-blob-corrupt')} "
+        + remove[:-1]
+        + "; add `--keep-last N` where gc asks for it: a store whose manifests record no "
+        + "remote retention)"
         + (" (each with `-o KEY=VALUE` for the remote_options)" if options else "")
     )
