@@ -163,3 +163,11 @@ def test_gc_without_remote_keeps_what_the_history_does_not_record_as_uploaded(tm
         assert f"keep step_00000000{n} (step {n}, valid): not uploaded as far as the" in r.stdout
     assert "deleted step_000000001" in r.stdout, r.stdout
     assert sorted(p.name for p in root.glob("step_*")) == [f"step_00000000{i}" for i in (2, 3, 4)]
+    # how to delete them anyway, for a user who knows the store holds them (a history that
+    # lost its records): it said only that `gc DIR --remote URL` checks the store
+    said = [x for x in r.stderr.splitlines() if "kept step_000000002, step_000000003" in x]
+    named = f"`resilient-ckpt gc {root} --remote URL --keep-last 1 --dry-run`"
+    assert said and named in said[0] and f"`rm -r {root}/step_000000002`" in said[0], r.stderr
+    url = f"file://{tmp_path}/remote"  # (it holds them: the command named deletes them)
+    r = cli("gc", str(root), "--remote", url, "--keep-last", "1", "--dry-run")
+    assert "would delete step_000000002" in r.stdout and "kept step_" not in r.stderr, r.stdout

@@ -22,7 +22,13 @@ from .cli_format import (
     print_json,
     status_text,
 )
-from .cli_nodes import committed_keys, is_part, is_uploaded_by_run, keep_uncommitted_parts
+from .cli_nodes import (
+    committed_keys,
+    is_part,
+    is_uploaded_by_run,
+    keep_uncommitted_parts,
+    not_uploaded_note,
+)
 from .cli_scan import no_checkpoints, public, resolve, row
 from .commit import (
     LATEST_TMP_PREFIX,
@@ -307,6 +313,8 @@ def _gc(args: argparse.Namespace, root: str) -> dict[str, Any]:
         damaged_blobs=[dataclasses.asdict(d) for d in damaged.values()],
         writer_open=live,
     )
+    if unsent := not_uploaded_note(args, keep):  # (gc DIR without --remote)
+        print(f"resilient-ckpt gc: {unsent}", file=sys.stderr)
     if args.json:
         return result
     verb = "would delete" if args.dry_run else "deleted"

@@ -14,6 +14,7 @@ newer than every one of its run the store holds (not uploaded yet) is kept by th
 from __future__ import annotations
 
 import os
+import shlex
 from typing import Any
 
 from . import history
@@ -122,3 +123,24 @@ def _uploads(root: str, run_id: str) -> tuple[frozenset[str], float]:
             names.add(name)
             newest = max(newest, float(r.get("time") or 0.0) - float(r.get("lag_s") or 0.0))
     return frozenset(names), newest
+
+
+def not_uploaded_note(args: Any, keep: list[dict[str, Any]]) -> str | None:
+    """``gc DIR`` without ``--remote``: how to delete anyway the checkpoints it kept as not
+    uploaded by the directory's history (:data:`NOT_UPLOADED_HISTORY`), for a user who knows
+    the store holds them or does not need them (a history that lost its records), or None."""
+    from .redact import command
+
+    names = [k["name"] for k in keep if NOT_UPLOADED_HISTORY in k.get("kept_by", ())]
+    if not names:
+        return None
+    last = [] if args.keep_last is None else ["--keep-last", args.keep_last]
+    folder = shlex.quote(os.path.join(args.dir, names[0]))
+    return (
+        f"kept {', '.join(names)}: not uploaded as far as the history of {args.dir} shows. If "
+        f"the store holds them (or you do not need them), "
+        f"{command('gc', args.dir, '--remote', 'URL', *last, '--dry-run')} lists what gc "
+        "deletes once it has checked the store (and what the remote retention deletes there); "
+        "without --dry-run it deletes them. Or delete one by hand while no run writes the "
+        f"directory: `rm -r {folder}`"
+    )
