@@ -19,6 +19,8 @@ The ranks run ``tests/dcp_train.py``.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import shutil
@@ -164,13 +166,18 @@ def _assert_exports(tmp: Path, checkpoint: Path, final: Path) -> None:
     _assert_same(_tensors(out / "model.safetensors"), want)
 
     # a flipped byte in rank 1's shards: refused, nothing written
-    bad = tmp / f"flipped-{checkpoint.name}"
+    # (in a folder of its own: an OUT inside the folder holding the one checkpoint given is
+    # a usage error, exit 2, which this assertion once passed on for the wrong reason)
+    bad = tmp / "flipped" / checkpoint.name
     shutil.copytree(checkpoint, bad)
     f = bad / "parts" / "train" / "rank_00001.safetensors"
     data = bytearray(f.read_bytes())
     data[-3] ^= 0xFF
     f.write_bytes(bytes(data))
-    assert main(["export", str(bad), str(tmp / "export-flipped")]) == 1
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main(["export", str(bad), str(tmp / "export-flipped")]) == 1
+    assert "rank_00001.safetensors" in err.getvalue(), err.getvalue()
     assert not (tmp / "export-flipped").exists()
 
 
