@@ -6,6 +6,7 @@ when an object it names is missing or has another size; the options of node-loca
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -547,6 +548,17 @@ def test_a_committer_that_could_not_list_at_open_retires_the_runs_history(tmp_pa
             u.stop()
 
 
+def _commit_step_2(committer: Any, up: Any, files: Any, key: Any, m: Any) -> None:
+    """Both nodes upload their part of step 2 and report it; the coordinator commits it."""
+    committer.expect(key, "step_000000002", encode_json(m.to_json()), "step_000000002")
+    for node in (0, 1):
+        up[node].enqueue("step_000000002", "step_000000002", key, [files[node]])
+        assert up[node].wait(120)
+        for rep in up[node].take_reports():
+            committer.report(node, rep)
+    assert committer.wait(120) is True
+
+
 def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_unrecorded(
     tmp_path, caplog
 ):
@@ -572,13 +584,7 @@ def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_un
         store, 2, RetentionPolicy(keep_last=None), max_attempts=1, on_committed=d._record_commit
     )
     try:
-        committer.expect(key, "step_000000002", encode_json(m.to_json()), "step_000000002")
-        for node in (0, 1):
-            up[node].enqueue("step_000000002", "step_000000002", key, [files[node]])
-            assert up[node].wait(120)
-            for rep in up[node].take_reports():
-                committer.report(node, rep)
-        assert committer.wait(120) is True
+        _commit_step_2(committer, up, files, key, m)
     finally:
         committer.stop()
         for u in up:
@@ -633,13 +639,7 @@ def test_a_wait_for_the_commits_returns_only_once_the_commit_is_recorded(tmp_pat
         on_committed=lambda p: done_when_recorded.append(committer.wait(timeout=0)),
     )
     try:
-        committer.expect(key, "step_000000002", encode_json(m.to_json()), "step_000000002")
-        for node in (0, 1):
-            up[node].enqueue("step_000000002", "step_000000002", key, [files[node]])
-            assert up[node].wait(120)
-            for rep in up[node].take_reports():
-                committer.report(node, rep)
-        assert committer.wait(120) is True
+        _commit_step_2(committer, up, files, key, m)
         assert done_when_recorded == [False]  # (recorded while a wait still waited for it)
     finally:
         committer.stop()
