@@ -1331,6 +1331,42 @@ def test_the_launcher_started_alone_trains_and_checkpoints(tmp_path: Path) -> No
     assert [e.step for e in committed(ck)] == [3]
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_launcher_started_alone_lets_lightning_start_its_ranks(tmp_path: Path) -> None:
+    """``python -m resilient_callbacks.deepspeed.run train.py`` on a Lightning script with
+    ``DeepSpeedStrategy`` and ``devices=2`` (the launcher passes a trainer's call on to DeepSpeed
+    and the callback checkpoints): Lightning starts rank 1 itself, and both ranks train and save.
+    With the five variables set at the launcher's start, ``LOCAL_RANK`` told Lightning that a
+    launcher had started the ranks: it started none and rank 0 waited for rank 1 until the
+    rendezvous timed out (30 minutes by default)."""
+    code = (
+        "import sys, torch, lightning as L\n"
+        "from torch.utils.data import DataLoader, TensorDataset\n"
+        "from lightning_train import cpu_deepspeed_strategy\n"
+        "from resilient_callbacks.lightning import ResilientCheckpoint\n"
+        "class M(L.LightningModule):\n"
+        "    def __init__(self):\n"
+        "        super().__init__(); self.l = torch.nn.Linear(8, 1)\n"
+        "    def training_step(self, b, i):\n"
+        "        return self.l(b[0]).sum()\n"
+        "    def configure_optimizers(self):\n"
+        "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
+        "if __name__ == '__main__':\n"
+        "    t = L.Trainer(strategy=cpu_deepspeed_strategy(0, sys.argv[1]), accelerator='cpu',\n"
+        "                  devices=2, max_steps=2, logger=False, enable_progress_bar=False,\n"
+        "                  callbacks=[ResilientCheckpoint(every_n_steps=2)],\n"
+        "                  enable_model_summary=False)\n"
+        "    t.fit(M(), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8))\n"
+        "    print(f'rank {t.global_rank} of {t.world_size} done', flush=True)\n"
+    )
+    ck = tmp_path / "ck"
+    proc = _launch_alone(tmp_path / "train.py", code, str(ck))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert "rank 0 of 2 done" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    assert [e.step for e in committed(ck)] == [2]
+
+
 def test_the_launcher_saves_engines_of_rcds_initialize_and_attach_on_an_exception(
     tmp_path: Path,
 ) -> None:

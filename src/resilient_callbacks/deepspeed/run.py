@@ -7,8 +7,10 @@ SCRIPT: it is handed to SCRIPT first among its arguments, as ``deepspeed SCRIPT 
 
 Started on its own (``python -m resilient_callbacks.deepspeed.run SCRIPT``: none of ``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set, no MPI launcher), SCRIPT
-runs as the only rank: those five are set for one process (``deepspeed.init_distributed``
-looked for MPI otherwise and failed without ``mpi4py``).
+runs as the only rank: those five are set for one process when DeepSpeed's ``init_distributed``
+is called with no process group (it looked for MPI otherwise and failed without ``mpi4py``).
+Not at the start: a trainer that starts its ranks itself (Lightning's ``Trainer(devices=2)``)
+takes a ``LOCAL_RANK`` it did not set for a launcher's, and started no other rank.
 
 When SCRIPT ends normally (returns, or exits with status 0), each engine's last step is saved
 (unless it already is) and its pending saves are committed: re-running a finished job then
@@ -67,6 +69,30 @@ def single_process_env(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
+def single_process_at_init() -> None:
+    """Make DeepSpeed's ``init_distributed`` (``deepspeed.init_distributed``, the
+    ``deepspeed.comm`` one that ``deepspeed.initialize`` and ``zero.Init`` call) run
+    :func:`single_process_env` first when no process group exists. At the call, not when SCRIPT
+    starts: set at the start, ``LOCAL_RANK`` told Lightning's ``Trainer(devices=2)`` with
+    ``DeepSpeedStrategy`` that a launcher had started its ranks, so it started none and rank 0
+    waited for rank 1 until the rendezvous timed out. (Lightning, like the launchers, sets the
+    five itself before it calls ``init_distributed``: they are then left as they are.)"""
+    import deepspeed.comm.comm as ds_comm
+    import torch.distributed as tdist
+
+    original = ds_comm.init_distributed
+
+    def init_distributed(*args: object, **kwargs: object) -> object:
+        if not (tdist.is_available() and tdist.is_initialized()):
+            single_process_env(os.environ)
+        return original(*args, **kwargs)
+
+    init_distributed.__doc__ = original.__doc__
+    for name, module in list(sys.modules.items()):  # (and later imports take comm.comm's)
+        if name.split(".")[0] == "deepspeed" and getattr(module, "init_distributed", 0) is original:
+            module.init_distributed = init_distributed  # type: ignore[attr-defined]
+
+
 def split_argv(argv: list[str]) -> tuple[str, list[str]]:
     """SCRIPT and the arguments it sees: any ``--local_rank=N`` / ``--local_rank N`` the
     ``deepspeed`` launcher put before SCRIPT moves after it. Raises SystemExit(2) when there
@@ -97,8 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     from .launch import patch
 
-    single_process_env(os.environ)
     patch()
+    single_process_at_init()
     sys.argv = script_argv
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     try:
