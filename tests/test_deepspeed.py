@@ -1342,6 +1342,7 @@ def test_the_launcher_started_alone_lets_lightning_start_its_ranks(tmp_path: Pat
     rendezvous timed out (30 minutes by default)."""
     code = (
         "import sys, torch, lightning as L\n"
+        "from datetime import timedelta\n"
         "from torch.utils.data import DataLoader, TensorDataset\n"
         "from lightning_train import cpu_deepspeed_strategy\n"
         "from resilient_callbacks.lightning import ResilientCheckpoint\n"
@@ -1353,17 +1354,35 @@ def test_the_launcher_started_alone_lets_lightning_start_its_ranks(tmp_path: Pat
         "    def configure_optimizers(self):\n"
         "        return torch.optim.SGD(self.parameters(), lr=0.1)\n"
         "if __name__ == '__main__':\n"
-        "    t = L.Trainer(strategy=cpu_deepspeed_strategy(0, sys.argv[1]), accelerator='cpu',\n"
+        "    s = cpu_deepspeed_strategy(0, sys.argv[1])\n"
+        "    s._timeout = timedelta(seconds=120)  # (a rank that never comes: not 30 minutes)\n"
+        "    t = L.Trainer(strategy=s, accelerator='cpu',\n"
         "                  devices=2, max_steps=2, logger=False, enable_progress_bar=False,\n"
         "                  callbacks=[ResilientCheckpoint(every_n_steps=2)],\n"
         "                  enable_model_summary=False)\n"
+        "    external = t.strategy.cluster_environment.creates_processes_externally\n"
+        "    print(f'ranks started by a launcher: {external}', flush=True)\n"
         "    t.fit(M(), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=8))\n"
         "    print(f'rank {t.global_rank} of {t.world_size} done', flush=True)\n"
     )
     ck = tmp_path / "ck"
-    proc = _launch_alone(tmp_path / "train.py", code, str(ck))
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert "rank 0 of 2 done" in proc.stdout, (proc.stdout + proc.stderr)[-4000:]
+    script = tmp_path / "train.py"
+    script.write_text(code)
+    # a real `python -m` process, as a user starts it (forked from the session's zygote, the
+    # same script passed on the code before the fix: Lightning started rank 1 there anyway)
+    gone = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in gone}
+    src = str(Path(__file__).parent.parent / "src")
+    env.update(
+        DS_ACCELERATOR="cpu",
+        PYTHONPATH=os.pathsep.join([src, str(Path(__file__).parent), env.get("PYTHONPATH", "")]),
+    )
+    cmd = [sys.executable, "-m", "resilient_callbacks.deepspeed.run", str(script), str(ck)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=DEADLINE)
+    out = (proc.stdout + proc.stderr)[-4000:]
+    assert "ranks started by a launcher: False" in proc.stdout, out
+    assert proc.returncode == 0, out
+    assert "rank 0 of 2 done" in proc.stdout, out
     assert [e.step for e in committed(ck)] == [2]
 
 
