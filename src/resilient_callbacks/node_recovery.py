@@ -87,15 +87,28 @@ def _uncommittable(d: NodeDirectory, older: list[Any]) -> list[list[Any]]:
     for local, m, _, _ in older:
         path = os.path.join(d.dirpath, local, REMOTE_MANIFEST)
         try:
-            with open(path, "rb") as fh:
-                saved = Manifest.from_json(json.loads(fh.read()), REMOTE_MANIFEST)
+            _, nodes = _saved_global(d, local)
         except Exception as e:  # (gone, permission denied, torn)
             out.append([m.seq, f"{path} cannot be read ({type(e).__name__}: {e})"])
             continue
-        nodes = saved.extra.get("nodes")
-        if nodes is not None and nodes != [list(x) for x in d.topology.nodes]:
+        if not _this_nodes(d, nodes):
             out.append([m.seq, f"{path} names another layout of nodes ({nodes})"])
     return out
+
+
+def _saved_global(d: NodeDirectory, local: str) -> tuple[bytes, Any]:
+    """Coordinator: the global manifest kept beside its part of ``local`` (its bytes, as the
+    remote commit writes them) and the layout of nodes it names (None: not said). Raises
+    what reading or decoding it raised."""
+    with open(os.path.join(d.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
+        raw = fh.read()
+    return raw, Manifest.from_json(json.loads(raw), REMOTE_MANIFEST).extra.get("nodes")
+
+
+def _this_nodes(d: NodeDirectory, nodes: Any) -> bool:
+    """A global manifest's layout of nodes (None: not said) is this run's: its nodes hold
+    every part of the checkpoint."""
+    return nodes is None or nodes == [list(x) for x in d.topology.nodes]
 
 
 def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> list[Any]:
@@ -268,10 +281,8 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str, older: l
     for (local, m, key, name), reason in sorted(whys, key=lambda w: w[0][1].seq):
         if d.committer is not None:
             try:
-                with open(os.path.join(d.dirpath, local, REMOTE_MANIFEST), "rb") as fh:
-                    raw = fh.read()
-                saved = Manifest.from_json(json.loads(raw), REMOTE_MANIFEST).extra.get("nodes")
-                if saved is not None and saved != [list(x) for x in d.topology.nodes]:
+                raw, nodes = _saved_global(d, local)
+                if not _this_nodes(d, nodes):
                     continue  # another layout's: this run's nodes do not hold every part
                 d.committer.expect(key, name, raw, local, commit_tag(m))
             except OSError as e:  # (permission denied, an I/O error: never silently)
