@@ -6,11 +6,21 @@ Before, a profile's ``endpoint_url`` was not in the store's key (:attr:`.RemoteS
 the claims of one writer per store go by): a second Checkpointer of this process writing to
 the other server's bucket of the same name was refused as "already has a writer open". And
 fsspec keeps one filesystem per set of options: a store opened after ``AWS_ENDPOINT_URL`` (or
-``AWS_PROFILE``) changed got the filesystem of the first server."""
+``AWS_PROFILE``) changed got the filesystem of the first server.
+
+A ``gs://`` store the same way: an emulator's ``STORAGE_EMULATOR_HOST``, which gcsfs reads again
+at every request, is pinned when the store is opened (Google's own endpoint where it is unset),
+so that a store goes on to the server its key names."""
 
 from __future__ import annotations
 
+import http.server
 import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
 
 from conftest import AWS_AT_START, S3_ENV, S3Server
 from resilient_callbacks import Checkpointer
@@ -90,6 +100,98 @@ def test_an_endpoint_variable_without_a_scheme_is_not_pinned_as_http(monkeypatch
     assert store_identity({}, "s3")["endpoint_url"] == "http://store.example:9000"
     monkeypatch.setenv("AWS_ENDPOINT_URL", "https://store.example:9000")
     assert pinned("s3://bkt/run", {}) == {"endpoint_url": "https://store.example:9000"}
+
+
+def test_a_gcs_emulator_and_real_gcs_are_two_stores_and_the_first_seen_is_kept(monkeypatch):
+    """``gs://bucket/run`` on an emulator (``STORAGE_EMULATOR_HOST``) and on real GCS are two
+    stores, and a store keeps the endpoint seen when it was opened: gcsfs reads the variable
+    again at every request, and the store was opened without it, so a store opened on real GCS
+    sent its requests to an emulator named later (and one opened on an emulator to the next
+    one, or to real GCS once it was unset) while its key still named the first. The options the
+    store opens with now carry the endpoint (gcsfs is not needed to read them: the key is made
+    of these options, :class:`.RemoteStore` passes them to fsspec)."""
+    from resilient_callbacks.remote_url import pinned
+    from resilient_callbacks.store_key import store_identity
+
+    for var in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_UNIVERSE_DOMAIN"):
+        monkeypatch.delenv(var, raising=False)
+    real = pinned("gs://bucket/run", {"token": "anon"})
+    assert real == {"token": "anon", "endpoint_url": "https://storage.googleapis.com"}
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")  # (gcsfs: http:// before it)
+    emulated = pinned("gs://bucket/run", {"token": "anon"})
+    assert emulated == {"token": "anon", "endpoint_url": "http://127.0.0.1:4443"}
+    assert store_identity(real, "gs") == {}  # (Google's own: the key of a plain gs:// URL)
+    assert store_identity(emulated, "gs") == {"endpoint_url": "http://127.0.0.1:4443"}
+    assert store_identity({}, "gs") == store_identity(emulated, "gs")  # (the key as before)
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "https://emulator.lab:8443")
+    assert pinned("gcs://bucket/run", {}) == {"endpoint_url": "https://emulator.lab:8443"}
+    assert store_identity(real, "gs") == {}  # the stores opened before keep theirs
+    assert store_identity(emulated, "gs") == {"endpoint_url": "http://127.0.0.1:4443"}
+    given = {"endpoint_url": "http://127.0.0.1:9023"}  # gcsfs's option before the variable
+    assert pinned("gs://bucket/run", given) == given
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "default")  # (gcsfs: as unset)
+    assert pinned("gs://bucket/run", {}) == {"endpoint_url": "https://storage.googleapis.com"}
+    assert store_identity({}, "gs") == {}
+
+
+def test_the_aws_switch_for_configured_endpoints_leaves_a_gcs_emulator_in_the_key(monkeypatch):
+    """``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS=true`` is botocore's: it hid the emulator of a
+    ``gs://`` store from its key (one bucket name on the emulator and on GCS: one store), and
+    gcsfs still went to the emulator."""
+    from resilient_callbacks.store_key import store_identity
+
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")
+    assert store_identity({}, "gs") == {"endpoint_url": "http://127.0.0.1:4443"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9000")  # (S3's: still ignored)
+    assert store_identity({}, "s3") == {}
+
+
+@contextmanager
+def _recording_server() -> Iterator[tuple[str, list[str]]]:
+    """An HTTP server on 127.0.0.1 answering 404 to every request: its address and the paths
+    it was asked for (a GCS emulator with no objects, as far as ``exists`` goes)."""
+    asked: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            asked.append(self.path)
+            body = b'{"error": {"code": 404, "message": "No such object"}}'
+            self.send_response(404)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_gcs_store_sends_its_requests_to_the_emulator_it_was_opened_on(monkeypatch):
+    """With gcsfs itself and two emulators (HTTP servers on 127.0.0.1): a store opened under
+    ``STORAGE_EMULATOR_HOST=A`` asked B once the variable named B (one filesystem for both
+    stores, fsspec's for the same options), while its key said A."""
+    pytest.importorskip("gcsfs")
+    with _recording_server() as (a, asked_a), _recording_server() as (b, asked_b):
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", a)
+        first = RemoteStore("gs://bucket/run", {"token": "anon"})
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", b)
+        second = RemoteStore("gs://bucket/run", {"token": "anon"})
+        assert a in first.key and b in second.key, (first.key, second.key)
+        assert not first.fs.exists("bucket/run/x")
+        assert asked_a and not asked_b, (asked_a, asked_b)
+        assert not second.fs.exists("bucket/run/y")
+        assert any("y" in path for path in asked_b), asked_b
+        assert not any("y" in path for path in asked_a), asked_a
 
 
 def test_a_test_using_the_s3_server_has_its_credentials(s3_server):

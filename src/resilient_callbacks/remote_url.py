@@ -1,5 +1,6 @@
 """How :class:`.remote.RemoteStore` opens a URL with fsspec: the options it is given (an
-``s3://`` endpoint from the environment or the AWS profile pinned, :func:`pinned`), the URLs
+``s3://`` endpoint from the environment or the AWS profile, a ``gs://`` one from
+``STORAGE_EMULATOR_HOST`` or Google's, pinned: :func:`pinned`), the URLs
 refused (behind fsspec's local cache, :func:`refuse_cache`), and what a missing Azure
 filesystem's error adds (:func:`azure_account_hint`). Which ranks call what: whoever opens a
 remote store; nothing collective.
@@ -15,7 +16,7 @@ import fsspec
 
 from .errors import ConfigError, usage
 from .redact import url_text
-from .store_key import configured_endpoint, store_identity
+from .store_key import configured_endpoint, gcs_endpoint, store_identity
 
 __all__ = ["azure_account_hint", "pinned", "refuse_cache"]
 
@@ -41,13 +42,22 @@ def azure_account_hint(url: str, options: Mapping[str, Any]) -> str:
 
 
 def pinned(url: str, options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` for opening ``url``, with the endpoint an ``s3://`` client takes from the
-    environment or the AWS profile (:func:`.store_key.configured_endpoint`) given as
-    ``endpoint_url`` where they name none: fsspec keeps one filesystem per set of options,
-    so one opened under ``AWS_ENDPOINT_URL=A`` (or ``AWS_PROFILE``) was used again for the
-    same URL after it changed to B, writing to A what the store's key said was B's."""
+    """``options`` for opening ``url``, with the endpoint its client takes from the environment
+    given as ``endpoint_url`` where they name none. ``s3://``: the one of the environment or
+    the AWS profile (:func:`.store_key.configured_endpoint`): fsspec keeps one filesystem per
+    set of options, so one opened under ``AWS_ENDPOINT_URL=A`` (or ``AWS_PROFILE``) was used
+    again for the same URL after it changed to B, writing to A what the store's key said was
+    B's. ``gs://``: the one gcsfs would use now (:func:`.store_key.gcs_endpoint`: an emulator's
+    ``STORAGE_EMULATOR_HOST``, else Google's), which it otherwise reads again at every request:
+    a store opened on real GCS went to an emulator named later, and one opened on an emulator
+    to the emulator named after it (or to real GCS once the variable was unset), while its key
+    still said the first."""
     protocol = fsspec.core.split_protocol(url)[0] or ""
-    if protocol not in ("s3", "s3a") or "endpoint_url" in store_identity(options):
+    if "endpoint_url" in store_identity(options):
+        return options
+    if protocol in ("gs", "gcs"):
+        return {**options, "endpoint_url": gcs_endpoint()}
+    if protocol not in ("s3", "s3a"):
         return options
     endpoint = configured_endpoint(protocol, options)
     # (a variable without a scheme is left to the client: pinning it as http:// would send a

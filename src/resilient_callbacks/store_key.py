@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-__all__ = ["IDENTITY_OPTIONS", "configured_endpoint", "store_identity"]
+__all__ = ["IDENTITY_OPTIONS", "configured_endpoint", "gcs_endpoint", "store_identity"]
 
 
 #: storage options (any depth, names compared in lower case) that say which service or
@@ -94,13 +94,13 @@ _CONNECTION_PARTS = {
     "blobendpoint": "account_url",
     "endpointsuffix": "endpointsuffix",
 }
-# the environment variables a backend's client takes its endpoint from, in its order
+# the environment variables S3's client takes its endpoint from, in its order
 _ENV_ENDPOINTS = {
     "s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
     "s3a": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
-    "gs": ("STORAGE_EMULATOR_HOST",),
-    "gcs": ("STORAGE_EMULATOR_HOST",),
 }
+_S3 = ("s3", "s3a")
+_GCS = ("gs", "gcs")
 _AZURE = ("az", "abfs", "abfss", "adl")
 _AZURE_HOST = re.compile(r"^([a-z0-9]+)\.(?:blob|dfs)\.core\.windows\.net$")
 _DEFAULT_PORTS = {"http": 80, "https": 443, "sftp": 22, "ssh": 22, "ftp": 21, "smb": 445}
@@ -111,14 +111,34 @@ def configured_endpoint(protocol: str, options: Mapping[str, Any]) -> str:
     S3 (as botocore looks it up) ``AWS_ENDPOINT_URL_S3``, ``AWS_ENDPOINT_URL``, then the AWS
     config file's profile (``-o profile=NAME``, else ``AWS_PROFILE``): its ``services``
     section's ``s3`` ``endpoint_url``, then its own ``endpoint_url``; on GCS
-    ``STORAGE_EMULATOR_HOST``, as written (a host without a scheme stays so). Without the profile's, two servers reached by two profiles
-    were one store to the claims (a second writer refused as another run's)."""
-    for var in _ENV_ENDPOINTS.get(protocol, ()):
-        if (value := os.environ.get(var, "").strip()) and not _env_endpoints_ignored():
-            return value
-    if protocol not in ("s3", "s3a") or _env_endpoints_ignored():
+    ``STORAGE_EMULATOR_HOST``, as written (a host without a scheme stays so; ``default``, which
+    gcsfs takes for unset, is none). Without the profile's, two servers reached by two profiles
+    were one store to the claims (a second writer refused as another run's).
+    ``AWS_IGNORE_CONFIGURED_ENDPOINT_URLS`` is botocore's: it leaves GCS's as it is (it hid an
+    emulator from the key of a ``gs://`` store, which gcsfs still went to)."""
+    if protocol in _GCS:
+        value = os.environ.get("STORAGE_EMULATOR_HOST", "").strip()
+        return "" if value == "default" else value
+    if protocol not in _S3 or _env_endpoints_ignored():
         return ""
+    for var in _ENV_ENDPOINTS.get(protocol, ()):
+        if value := os.environ.get(var, "").strip():
+            return value
     return _profile_endpoint(options.get("profile"))
+
+
+def gcs_endpoint() -> str:
+    """The endpoint gcsfs sends a ``gs://`` store's requests to where its options give no
+    ``endpoint_url``, as it reads it now: ``STORAGE_EMULATOR_HOST`` (``http://`` before a host
+    without a scheme, as gcsfs puts it), else Google's own (``https://storage.`` and
+    ``GOOGLE_CLOUD_UNIVERSE_DOMAIN``, ``googleapis.com`` where unset). gcsfs reads the variable
+    again at every request, not when the filesystem is made: :func:`.remote_url.pinned` gives
+    this as the option, so that a store goes on to the server it opened on."""
+    value = configured_endpoint("gs", {})
+    if value:
+        return value if value.startswith(("http://", "https://")) else f"http://{value}"
+    domain = os.environ.get("GOOGLE_CLOUD_UNIVERSE_DOMAIN", "").strip() or "googleapis.com"
+    return f"https://storage.{domain}"
 
 
 def _profile_endpoint(profile: Any) -> str:
@@ -146,9 +166,9 @@ def _env_endpoints_ignored() -> bool:
 
 def _public(protocol: str, host: str) -> bool:
     """Whether ``host`` is the service's own endpoint, the one its client takes without one."""
-    if protocol in ("s3", "s3a"):  # (every region's, dual-stack, VPC: bucket names are global)
+    if protocol in _S3:  # (every region's, dual-stack, VPC: bucket names are global)
         return host == "amazonaws.com" or host.endswith(".amazonaws.com")
-    if protocol in ("gs", "gcs"):
+    if protocol in _GCS:
         return host in ("storage.googleapis.com", "www.googleapis.com")
     return False
 
