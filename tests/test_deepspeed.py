@@ -1290,6 +1290,25 @@ def test_the_launcher_started_alone_sets_the_rendezvous_for_one_process() -> Non
     assert single_process_env({"SLURM_NTASKS": "1"})
 
 
+def test_the_launcher_started_by_aprun_is_one_of_several_ranks() -> None:
+    """Cray's ``aprun -n 4`` (ALPS) starts the processes with ``ALPS_APP_PE`` (each one's rank)
+    and, without cray-pmi's variables, none of the others: each took itself for the only rank
+    and trained alone, rank 0 of 1, into the same directory. Slurm on a Cray sets
+    ``ALPS_APP_PE`` in a step's tasks too: there ``SLURM_NTASKS`` says how many run, as
+    elsewhere. ``ALPS_APP_ID`` (the application's id, one for all its processes) says no number
+    of processes: alone it is taken for no launcher."""
+    from resilient_callbacks.deepspeed.run import single_process_env
+
+    for pe in ("0", "3"):
+        env = {"ALPS_APP_PE": pe, "ALPS_APP_ID": "1234567", "PATH": "/bin"}
+        assert not single_process_env(env), env
+        assert "RANK" not in env and "WORLD_SIZE" not in env
+    slurm = {"ALPS_APP_PE": "0", "SLURM_JOB_ID": "42", "SLURM_NTASKS": "1"}
+    assert single_process_env(dict(slurm))
+    assert not single_process_env({**slurm, "ALPS_APP_PE": "1", "SLURM_NTASKS": "2"})
+    assert single_process_env({"ALPS_APP_ID": "1234567"})
+
+
 def _launch_alone(script: Path, code: str, *args: str) -> subprocess.CompletedProcess:
     """``python -m resilient_callbacks.deepspeed.run SCRIPT ARGS`` as a user starts it, with
     none of the launchers' variables (RANK, WORLD_SIZE, MASTER_ADDR, ...) in the environment;

@@ -41,17 +41,24 @@ def _usage() -> str:
 RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: set by MPI launchers (mpirun, srun with PMI): DeepSpeed's MPI discovery finds the ranks there
 _MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+#: set by Cray's aprun (ALPS) in each process it starts, its rank, where cray-pmi may set none of
+#: the above; Slurm on a Cray sets it in a step's tasks too, whose number SLURM_NTASKS then says
+_ALPS_RANK = "ALPS_APP_PE"
 
 
 def single_process_env(environ: MutableMapping[str, str]) -> bool:
     """Set :data:`RENDEZVOUS` in ``environ`` for one process (rank 0 of 1, a free local port)
     where none of them is set and nothing says other processes run beside this one (an MPI
-    launcher's variables, a Slurm step of several tasks); whether it did. Without them
-    ``deepspeed.init_distributed`` turns to MPI discovery and fails without ``mpi4py``
-    (``ModuleNotFoundError: No module named 'mpi4py'``), also for one process."""
+    launcher's variables, a Slurm step of several tasks, Cray's ``aprun`` outside Slurm:
+    ``ALPS_APP_PE``, which says no number of processes, so ``aprun -n 1`` too is left to
+    DeepSpeed's MPI discovery); whether it did. Without them ``deepspeed.init_distributed``
+    turns to MPI discovery and fails without ``mpi4py`` (``ModuleNotFoundError: No module
+    named 'mpi4py'``), also for one process."""
     if any(k in environ for k in (*RENDEZVOUS, *_MPI)):
         return False
     if environ.get("SLURM_NTASKS", "1") != "1":
+        return False
+    if _ALPS_RANK in environ and not any(k in environ for k in ("SLURM_JOB_ID", "SLURM_JOBID")):
         return False
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
