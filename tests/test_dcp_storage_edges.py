@@ -192,3 +192,26 @@ def test_a_save_in_a_process_launched_as_one_of_several_without_a_group_is_refus
         monkeypatch.setenv("WORLD_SIZE", "1")
         dcp.save({"t": torch.ones(4)}, storage_writer=w, checkpoint_id=1)
     assert _steps(root) == [1]
+
+
+def test_one_rank_of_a_job_saving_alone_with_no_dist_is_not_refused(tmp_path, monkeypatch):
+    """``dcp.save(..., no_dist=True)`` by one process of a job of two with no process group
+    (rank 0 saving a consolidated state dict alone, after ``destroy_process_group``) was refused
+    as a forgotten ``init_process_group``. DCP does not pass ``no_dist`` on to the writer (it
+    makes every save without a group a ``no_dist`` one): a writer made with ``no_dist=True``
+    saves, and the checkpoint loads; one without it is still refused, its error naming the
+    option."""
+    root = tmp_path / "ck"
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with ResilientStorageWriter(root) as w:
+        with pytest.raises(BaseException, match="init_process_group") as caught:
+            dcp.save({"t": torch.ones(4)}, storage_writer=w, no_dist=True)
+        assert "ResilientStorageWriter(..., no_dist=True)" in str(caught.value)
+    assert not root.exists() or os.listdir(root) == []
+    with ResilientStorageWriter(root, no_dist=True) as w:
+        dcp.save({"t": torch.arange(4.0)}, storage_writer=w, no_dist=True, checkpoint_id=1)
+    assert _steps(root) == [1]
+    got = {"t": torch.zeros(4)}
+    dcp.load(got, storage_reader=ResilientStorageReader(root, no_dist=True), no_dist=True)
+    assert got["t"].tolist() == [0.0, 1.0, 2.0, 3.0]

@@ -95,6 +95,10 @@ class ResilientStorageWriter(StorageWriter):
     pending on it, or on any watcher installed in this process, bounds :meth:`close`'s wait
     for uploads by its grace period. Every rank constructs it with the same arguments. Call
     :meth:`close` (or use ``with``) at the end: it waits for uploads and releases the lock.
+    ``no_dist=True``: this process saves alone on purpose, as ``dcp.save(..., no_dist=True)`` on
+    one rank of a job (rank 0 saving a consolidated state dict), into a ``dirpath`` of its own.
+    DCP does not tell the writer; without it a process launched as one of several ranks
+    (``WORLD_SIZE`` > 1) with no process group is refused, as a forgotten ``init_process_group``.
     """
 
     def __init__(
@@ -110,8 +114,10 @@ class ResilientStorageWriter(StorageWriter):
         run_id: str | None = None,
         async_staging: bool = False,
         watcher: PreemptionWatcher | None = None,
+        no_dist: bool = False,
     ) -> None:
         super().__init__()
+        self.no_dist = bool(no_dist)  # (DCP does not pass it on: see the docstring)
         self.watcher = watcher  # (any installed in this process counts too: pending.py)
         self.config = CheckpointerConfig(
             dirpath=local_dirpath(dirpath),  # (a URL is refused: abspath made it ./s3:/...)
@@ -184,9 +190,9 @@ class ResilientStorageWriter(StorageWriter):
         one of several ranks (``WORLD_SIZE`` > 1) that has no process group. DCP then saves
         it as a single process, and every rank committed its own checkpoint into ``dirpath``
         as if alone, in silence (each one's saves replacing the others' by retention), as
-        :func:`.dist.require_group` refuses for a ``Checkpointer``."""
+        :func:`.dist.require_group` refuses for a ``Checkpointer`` (not with ``no_dist``)."""
         launched = dist.launched_world_size()
-        if launched <= 1 or dist.is_initialized():
+        if launched <= 1 or self.no_dist or dist.is_initialized():
             return
         raise ConfigError(
             f"ResilientStorageWriter({self.dirpath!r}): dcp.save was called in a process "
@@ -196,7 +202,8 @@ class ResilientStorageWriter(StorageWriter):
             "own into the same directory, as if it were the only one. Nothing was written. "
             "Call torch.distributed.init_process_group(...) on every rank before the first "
             "save. If these processes are independent runs, set WORLD_SIZE=1 in their "
-            "environment and give each writer its own dirpath."
+            "environment and give each writer its own dirpath. If this process saves alone on "
+            "purpose (dcp.save(..., no_dist=True)): ResilientStorageWriter(..., no_dist=True)."
         )
 
     def _after_previous_save(self) -> None:
