@@ -595,7 +595,9 @@ def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_un
         for q, s in ((1, 2), (2, 4), (3, 8))
     ]
     # each rank's part of recover_uploads' gather: node 0 holds commits 1-3, node 1 only 1-2
-    got = [[None, [[1, 2], [2, 4], [3, 8]], [1]], [None, [[1, 2], [2, 4]], None]]
+    # ([seq, step, what it is])
+    a = "an archive point"
+    got = [[None, [[1, 2, a], [2, 4, a], [3, 8, a]], [1]], [None, [[1, 2, a], [2, 4, a]], None]]
     caplog.set_level(logging.INFO, "resilient_callbacks")
     queued = node_recovery._older_everywhere(d, older, got)
     assert [x[0] for x in queued] == ["step_000000004"], queued
@@ -614,7 +616,7 @@ def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_un
     assert "never committed" not in errors[0] and "does not record" in errors[0], errors
     assert "nor any remote commit of this run" not in errors[0], errors
     caplog.clear()
-    lost = [[None, [[1, 2], [2, 4], [3, 8]], []], [None, [[1, 2], [2, 4]], None]]
+    lost = [[None, [[1, 2, a], [2, 4, a], [3, 8, a]], []], [None, [[1, 2, a], [2, 4, a]], None]]
     node_recovery._older_everywhere(d, older, lost)
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "never committed" not in errors[0], errors
@@ -673,7 +675,8 @@ def test_an_older_archive_point_whose_commit_the_coordinator_cannot_write_is_not
     write_bytes(str(tmp_path / "step_000000008" / REMOTE_MANIFEST), encode_json(m.to_json()))
     blocked = node_recovery._uncommittable(d, older)
     assert [b[0] for b in blocked] == [2] and "remote_manifest.json cannot be read" in blocked[0][1]
-    got = [[None, [[2, 4], [3, 8]], [], blocked], [None, [[2, 4], [3, 8]], None, None]]
+    a = "an archive point"  # (each gathered [seq, step, what it is])
+    got = [[None, [[2, 4, a], [3, 8, a]], [], blocked], [None, [[2, 4, a], [3, 8, a]], None, None]]
     caplog.set_level(logging.INFO, "resilient_callbacks")
     queued = node_recovery._older_everywhere(d, older, got)
     assert [x[0] for x in queued] == ["step_000000008"], queued
@@ -705,9 +708,10 @@ def test_a_history_without_any_commit_record_says_why_an_archive_point_may_come_
     m = Manifest(step=4, run_id="run1", seq=2, world_size=2, files=[])
     older = [("step_000000004", m, ("run1", 2), "step_000000004")]
     caplog.set_level(logging.INFO, "resilient_callbacks")
+    a = "an archive point"  # (each gathered [seq, step, what it is])
     for recorded, said in (([3], False), ([], True)):
         caplog.clear()
-        got = [[None, [[2, 4]], recorded, []], [None, [[2, 4]], None, None]]
+        got = [[None, [[2, 4, a]], recorded, []], [None, [[2, 4, a]], None, None]]
         assert len(node_recovery._older_everywhere(d, older, got)) == 1
         warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert bool(warned) is said, warned

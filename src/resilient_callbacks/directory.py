@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, history
+from . import catalog, dist, history, remote_best
 from .after_commit_work import UploadNotQueued, held_not_queued
 from .blobs import BlobStore
 from .branches import Tip
@@ -255,6 +255,7 @@ class Directory:
         due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
         if self.sync is not None:
             sync = self.sync
+            due = due or self.is_best(name, sync.policy)  # (uploaded whatever the interval)
             self.hold_upload(committed.step, None if due else lambda: sync.enqueue(name), name)
             if due:
                 try:
@@ -262,6 +263,13 @@ class Directory:
                 except Exception as e:
                     raise UploadNotQueued(name) from e
         self.apply_retention(protect=name)
+
+    def is_best(self, name: str, policy: RetentionPolicy) -> bool:
+        """Coordinator: checkpoint ``name``, just committed here, is one of the run's best
+        that ``policy`` (the remote retention) keeps: uploaded though ``remote_every_n_saves``
+        skips it (:mod:`.remote_best`)."""
+        with self._retention_lock:  # (the manifests the retention passes parse, and delete)
+            return remote_best.is_best(self.dirpath, name, policy, self.run_id, self.manifests)
 
     def committed(self, seq: int) -> None:
         """Every rank, once the checkpoint of commit number ``seq`` is committed (before the

@@ -1,17 +1,18 @@
 """The uploads a crash cut off, queued again after a node-local restore (docs/multinode.md,
 "After a restore"): each leader uploads its parts of this run's local checkpoints newer than
 the run's newest remote commit, only those the remote retention keeps; the coordinator expects
-their remote commit from the global manifest it kept beside its copy. An archive point older
-than that commit which the store lacks is uploaded too where the coordinator's history records
-no remote commit of it (never uploaded: not due under an earlier ``remote_every_n_saves``) and
-every node holds its part; one recorded was deleted from the store since, on purpose.
+their remote commit from the global manifest it kept beside its copy. An archive point (or
+one of the run's best, :mod:`.remote_best`) older than that commit which the store lacks is
+uploaded too where the coordinator's history records no remote commit of it (never uploaded:
+not due under an earlier ``remote_every_n_saves``) and every node holds its part; one recorded
+was deleted from the store since, on purpose.
 
 Which ranks call what: :func:`recover_uploads` on every rank after the restore loaded (the
 leaders act); one collective on every rank (``cpu_group``): whether every leader could read
-its disk, which older archive points each leader holds, and which remote commits the
-coordinator's history records, so that one node's failure skips the recovery on every node,
-never leaving the others waiting in the first save's collectives, and every node uploads the
-same older archive points.
+its disk, which older archive points (and best ones) each leader holds, and which remote
+commits the coordinator's history records, so that one node's failure skips the recovery on
+every node, never leaving the others waiting in the first save's collectives, and every node
+uploads the same older ones.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, history
+from . import catalog, dist, history, remote_best
 from .catalog import Depth, Status, archived
 from .manifest import FileEntry, Manifest
 from .node_files import REMOTE_MANIFEST, is_shared
@@ -49,9 +50,10 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
             blocked = _uncommittable(d, planned[3]) if topo.rank == 0 else None
         except Exception as e:
             problem = f"node {topo.node}: {type(e).__name__}: {e}"
-    # (leaders: the older archive points this node holds; rank 0: the remote commits its
-    # history records, and the older archive points whose commit it cannot write)
-    held = None if planned is None else [[x[1].seq, x[1].step] for x in planned[3]]
+    # (leaders: the older archive points and best ones this node holds, [seq, step, what];
+    # rank 0: the remote commits its history records, and the older ones whose commit it
+    # cannot write)
+    held = None if planned is None else [[x[1].seq, x[1].step, _what(x[1])] for x in planned[3]]
     mine: list[Any] = [problem, held, recorded, blocked]
     got = [mine]
     if topo.cpu_group is not None:  # (every rank: one node's failure is every node's)
@@ -112,11 +114,12 @@ def _this_nodes(d: NodeDirectory, nodes: Any) -> bool:
 
 
 def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> list[Any]:
-    """Leader: of this node's archive points older than the store's newest commit of the run
-    and absent from it (``older``), those every node holds, whose remote commit rank 0's
+    """Leader: of this node's archive points and best ones older than the store's newest
+    commit of the run and absent from it (``older``), those every node holds, whose remote commit rank 0's
     history does not record and rank 0 can write: uploaded now, as they never were. Rank 0
     says the others."""
-    held = [{int(s): int(t) for s, t in g[1]} for g in got if g[1] is not None]
+    held = [{int(s): int(t) for s, t, _ in g[1]} for g in got if g[1] is not None]
+    kinds = {int(x[0]): str(x[2]) for g in got if g[1] is not None for x in g[1]}
     recorded = {int(s) for g in got if g[2] is not None for s in g[2]}
     blocked = {int(s): str(why) for g in got if len(g) > 3 and g[3] for s, why in g[3]}
     steps = {s: t for h in held for s, t in h.items()}
@@ -124,16 +127,17 @@ def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> lis
     blocked = {s: why for s, why in blocked.items() if s in everywhere}
     everywhere -= set(blocked)
     if d.topology.rank == 0:
-        _say_older(d, steps, recorded, everywhere | set(blocked), held)  # (held everywhere)
+        _say_older(d, steps, recorded, everywhere | set(blocked), held, kinds)
         for s, why in sorted(blocked.items()):
             log.error(
-                "step %d (commit %d) is an archive point the store %s lacks and whose remote "
+                "step %d (commit %d) is %s the store %s lacks and whose remote "
                 "commit the history in %s does not record%s, and no node uploads it: %s, and "
                 "its remote commit writes that file. Its parts stay on the nodes' disks only, "
                 "under the local retention; to commit it, make that file readable again (or "
                 "restore it) and restart the job.",
                 steps[s],
                 s,
+                kinds[s],
                 d.remote.url if d.remote is not None else "",
                 d.dirpath,
                 _unknown(recorded),
@@ -143,11 +147,12 @@ def _older_everywhere(d: NodeDirectory, older: list[Any], got: list[Any]) -> lis
             url = d.remote.url if d.remote is not None else "the store"
             log.warning(
                 "the history in %s records no remote commit of this run (written before this "
-                "library recorded them, or lost), so it cannot tell an archive point never "
-                "uploaded from one uploaded and deleted from %s since: %s uploaded now, as "
-                "never uploaded. If you deleted one there on purpose, `resilient-ckpt gc "
-                "--remote %s --drop-archives` (or --drop-all-archives) deletes it again; the "
-                "run's commits are recorded from now on, so it is not uploaded again",
+                "library recorded them, or lost), so it cannot tell an archive point (or best "
+                "checkpoint) never uploaded from one uploaded and deleted from %s since: %s "
+                "uploaded now, as never uploaded. If you deleted one there on purpose, "
+                "`resilient-ckpt gc --remote %s --drop-archives` (or --drop-all-archives) "
+                "deletes an archive point again (a best one: delete it by hand); the run's "
+                "commits are recorded from now on, so it is not uploaded again",
                 d.dirpath,
                 url,
                 ", ".join(f"step {steps[s]} (commit {s})" for s in sorted(everywhere)),
@@ -162,8 +167,10 @@ def _say_older(
     recorded: set[int],
     everywhere: set[int],
     held: list[dict[int, int]],
+    kinds: dict[int, str],
 ) -> None:
-    """Rank 0: the older archive points the store lacks that are not uploaded, and why."""
+    """Rank 0: the older archive points (and best ones) the store lacks that are not
+    uploaded, and why."""
     dropped = sorted(s for s in steps if s in recorded)
     if dropped:  # (the remote retention keeps archive points: remote_listing.retention_candidates)
         log.info(
@@ -178,18 +185,24 @@ def _say_older(
     for s in sorted(x for x in steps if x not in recorded and x not in everywhere):
         lacking = [str(n) for n, h in enumerate(held) if s not in h]
         log.error(
-            "step %d (commit %d) is an archive point the store %s lacks and whose remote "
+            "step %d (commit %d) is %s the store %s lacks and whose remote "
             "commit the history in %s does not record%s, and it cannot be uploaded: node(s) "
             "%s hold no part of it (a disk replaced, or a part saved on another layout of "
             "nodes). The other nodes' parts stay on their disks only, under the local "
             "retention; no restore can load it.",
             steps[s],
             s,
+            kinds[s],
             d.remote.url if d.remote is not None else "",
             d.dirpath,
             _unknown(recorded),
             ", ".join(lacking),
         )
+
+
+def _what(m: Manifest) -> str:
+    """What an older checkpoint the store lacks is, that makes it due (:func:`_plan`)."""
+    return "an archive point" if archived(m) else "a best checkpoint (keep_best)"
 
 
 def _unknown(recorded: set[int]) -> str:
@@ -230,7 +243,9 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
     newest_remote = max((k[1] for k in remote_keys if k[0] == d.run_id), default=0)
     due: list[Any] = []
     older: list[Any] = []
-    for e in catalog.scan(d.dirpath, Depth.SIZE):
+    entries = catalog.scan(d.dirpath, Depth.SIZE)
+    best = remote_best.best(entries, d.config.remote_retention_policy(), d.run_id)
+    for e in entries:
         m = e.manifest
         if m is None or e.status is not Status.VALID or m.run_id != d.run_id:
             continue
@@ -241,9 +256,10 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
             continue
         # older than the store's newest commit of the run: uploaded before (and deleted there
         # since), or never (an archive point not due under an earlier remote_every_n_saves,
-        # one a backlog dropped): an archive point the history records no commit of is
-        # uploaded (recover_uploads decides, with every node); any other stays local
-        if m.seq <= newest_remote and not archived(m):
+        # one a backlog dropped; a best one saved before remote_best): an archive point or
+        # best checkpoint the history records no commit of is uploaded (recover_uploads
+        # decides, with every node); any other stays local
+        if m.seq <= newest_remote and not (archived(m) or e.name in best):
             continue
         # downloaded (a node-local save writes no blob; "remote_blobs": the remote copy had
         # blobs, maybe none of them read by this node's ranks): its blobs are no node's to
@@ -251,7 +267,7 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
         if m.blobs or node.get("remote_blobs"):
             log.info("not uploading %s again: downloaded, its blobs are not on this node", e.name)
             continue
-        if d.config.remote_due(m.seq, m.reason):
+        if d.config.remote_due(m.seq, m.reason) or e.name in best:
             (older if m.seq <= newest_remote else due).append((e.name, m, key, name))
     due.sort(key=lambda x: x[1].seq)
     # (another layout's parts are not discarded either: under the same name, this run's save
@@ -275,9 +291,9 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str, older: l
             # before the stop goes; no node uploads it now
             job = UploadJob(local, name, key, own_files(m), tag=commit_tag(m))
             d.uploader.discard(job)
-    never = "an archive point the store lacks, whose remote commit the run's history does not "
-    never += "record (not due under an earlier remote_every_n_saves, or a stop cut it off)"
-    whys = [(x, never) for x in older] + [(x, why) for x in kept]
+    never = " the store lacks, whose remote commit the run's history does not record (not "
+    never += "due under an earlier remote_every_n_saves, or a stop cut it off)"
+    whys = [(x, _what(x[1]) + never) for x in older] + [(x, why) for x in kept]
     for (local, m, key, name), reason in sorted(whys, key=lambda w: w[0][1].seq):
         if d.committer is not None:
             try:

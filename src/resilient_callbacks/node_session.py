@@ -43,6 +43,8 @@ class _Outcome:
     drop: list[list[Any]] = field(default_factory=list)
     kept: list[list[Any]] = field(default_factory=list)  # remote commit given up: parts stay
     moved: list[list[Any]] = field(default_factory=list)  # [run, seq, name]: name was taken
+    # the coordinator's: uploaded now (remote_every_n_saves, or one of the best: remote_best)
+    due: bool = True
 
 
 class NodeLocalSession:
@@ -234,7 +236,7 @@ class NodeLocalSession:
                 {(str(k[0]), int(k[1])): str(k[2]) for k in out.moved},
             )
         if topo.is_leader and local_path is not None:
-            self._after_local_commit(local_path, reason)
+            self._after_local_commit(local_path, out.due)
         return Committed(path, self.step, out.seq, sum(f.size for f in self.files))
 
     def _decide(
@@ -285,7 +287,10 @@ class NodeLocalSession:
             committer, key, name = d.committer, (self.run_id, self.seq), self.name
             here = os.path.basename(local_path) if local_path is not None else None
             tag = self.token
-            if d.config.remote_due(self.seq, reason):
+            due = d.config.remote_due(self.seq, reason)
+            if not due and here is not None:  # (one of the best: uploaded too, on every node)
+                due = d.is_best(here, committer.policy)
+            if due:
                 d.hold_upload(self.step, None)
                 committer.expect(key, name, data, here, tag)
             else:
@@ -301,11 +306,13 @@ class NodeLocalSession:
                 "drop": [list(k) for k in drop],
                 "kept": [list(k) for k in committer.abandoned_keys()],
                 "moved": [[*k, n] for k, n in committer.take_moved().items()],
+                "due": due,
             }
         return {"ok": True, "seq": self.seq, "name": self.name, "renamed": renamed}
 
-    def _after_local_commit(self, local_path: str, reason: str) -> None:
-        """Leader: queue this node's part for upload (if due), replicate, apply retention. The
+    def _after_local_commit(self, local_path: str, due: bool) -> None:
+        """Leader: queue this node's part for upload (if ``due``, as the coordinator decided
+        for every node), replicate, apply retention. The
         checkpoint is committed on every node by now, and every other rank returns it as
         committed: a failure of the upload queue or the retention pass (or of both: the pass
         runs after a queueing that failed) is said by this leader (naming its node, what
@@ -330,7 +337,7 @@ class NodeLocalSession:
                         uploader.skipped[remote_name] = why
                         raise
 
-                if d.config.remote_due(self.seq, reason):
+                if due:
                     d.hold_upload(self.step, None)
                     upload()
                 else:

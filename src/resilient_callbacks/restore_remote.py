@@ -12,7 +12,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from . import catalog, dist, history, stall
+from . import catalog, dist, history, remote_best, stall
 from .blobs import key_of
 from .candidates import Candidate
 from .catalog import Status
@@ -116,14 +116,20 @@ def reconcile_uploads(ck: Checkpointer) -> None:
     d = ck._dir
     assert d.sync is not None and d.remote is not None
     remote_entries = d.sync.entries()  # listed by this restore's merge_tiers
+    entries = d.checkpoints()
+    best = remote_best.best(entries, d.sync.policy, d.run_id)  # (due whatever the interval)
     local = [
         e
-        for e in d.checkpoints()
+        for e in entries
         if e.manifest is not None
         and e.status is Status.VALID
         and e.manifest.run_id == d.run_id
         and not d.sync.is_uploaded(e.manifest)
-        and (d.remote_due is None or d.remote_due(e.manifest.seq, e.manifest.reason))
+        and (
+            d.remote_due is None
+            or d.remote_due(e.manifest.seq, e.manifest.reason)
+            or e.name in best
+        )
     ]
     if not local:
         return

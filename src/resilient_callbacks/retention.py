@@ -168,21 +168,9 @@ def plan(
         for c in mine[-policy.keep_last :]:
             mark(c, f"last {policy.keep_last}")
 
-    if policy.keep_best and policy.monitor:
-        key: str = policy.monitor
-        scored = [c for c in mine if _finite(c.metrics.get(key))]
-        sign = 1.0 if policy.mode is Mode.MIN else -1.0
-        # the current lineage's best first: an abandoned branch's score, from a timeline the
-        # run threw away, never takes the place of the lineage's best (it only fills a slot).
-        # A tie ranks the earlier first: a later checkpoint is better only if strictly so, as
-        # the Trainer's best_global_step and Lightning's save_top_k=1 count it; at every rank
-        # (keep_best >= 2 too: docs/guide.md says where Lightning's save_top_k differs), as
-        # lightning/evaluate.py's and the MLflow sink's "best" rank them
-        scored.sort(
-            key=lambda c: ((c.run_id, c.seq) in off, sign * float(c.metrics[key] or 0.0), c.seq)
-        )
-        for c in scored[: policy.keep_best]:
-            mark(c, f"best {key}={c.metrics[key]:.6g}")
+    for c in _best(mine, policy, off):
+        key = str(policy.monitor)
+        mark(c, f"best {key}={c.metrics[key]:.6g}")
     n = policy.keep_every_n_steps
     for c in mine:
         if n and c.step % n == 0:
@@ -196,6 +184,40 @@ def plan(
     gone = {c.name for c in cands if (c.run_id, c.seq) in off}
     held = _roll_back_heads(cands, {c.name for c in cands if c.name in gone and keep[c.name]})
     return Plan({k: v for k, v in keep.items() if v}, delete, gone, held)
+
+
+def best_names(
+    candidates: Iterable[Candidate], policy: RetentionPolicy, run_id: str | None
+) -> set[str]:
+    """The names :func:`plan` keeps as the ``keep_best`` best by ``monitor`` (none without
+    ``keep_best``): with ``remote_every_n_saves``, what is uploaded whatever the interval
+    (:mod:`.remote_best`)."""
+    cands = list(candidates)
+    off = branches.off_lineage((c.run_id, c.seq, c.lineage) for c in cands)
+    mine = [c for c in cands if (run_id is None or c.run_id == run_id) and c.valid]
+    return {c.name for c in _best(mine, policy, off)}
+
+
+def _best(
+    mine: list[Candidate], policy: RetentionPolicy, off: set[tuple[str, int]]
+) -> list[Candidate]:
+    """Of the run's valid checkpoints ``mine``, the ``keep_best`` best by ``monitor``, best
+    first; ``off``: those of a branch a roll-back abandoned."""
+    if not (policy.keep_best and policy.monitor):
+        return []
+    key: str = policy.monitor
+    scored = [c for c in mine if _finite(c.metrics.get(key))]
+    sign = 1.0 if policy.mode is Mode.MIN else -1.0
+    # the current lineage's best first: an abandoned branch's score, from a timeline the run
+    # threw away, never takes the place of the lineage's best (it only fills a slot). A tie
+    # ranks the earlier first: a later checkpoint is better only if strictly so, as the
+    # Trainer's best_global_step and Lightning's save_top_k=1 count it; at every rank
+    # (keep_best >= 2 too: docs/guide.md says where Lightning's save_top_k differs), as
+    # lightning/evaluate.py's and the MLflow sink's "best" rank them
+    scored.sort(
+        key=lambda c: ((c.run_id, c.seq) in off, sign * float(c.metrics[key] or 0.0), c.seq)
+    )
+    return scored[: policy.keep_best]
 
 
 def _roll_back_heads(cands: list[Candidate], kept_abandoned: set[str]) -> dict[str, str]:
