@@ -133,3 +133,19 @@ def test_shared_an_older_best_never_uploaded_is_uploaded_once_at_a_restart(tmp_p
     assert _shared_run(local, url, 6) == 6
     assert "deleted from it since" in caplog.text, caplog.text
     assert _committed(remote) == ["step_000000006"]
+
+
+def test_a_directory_that_cannot_be_read_counts_the_save_as_best(tmp_path, caplog):
+    """The coordinator ranks a save among the directory's checkpoints; where it cannot list
+    them (a file where the folder was, permission denied), one upload too many is harmless and
+    the best missing from the store is not: it counts the save as best, said at WARNING
+    (node-local: it decides for every node, which wait for its answer, so it never raises)."""
+    from resilient_callbacks import remote_best
+    from resilient_callbacks.retention import RetentionPolicy
+
+    policy = RetentionPolicy(keep_last=1, keep_best=1, monitor="loss")
+    blocked = tmp_path / "ck"
+    blocked.write_text("not a folder")
+    assert remote_best.is_best(str(blocked), "step_000000002", policy, "run1")
+    assert "could not be read to tell (NotADirectoryError" in caplog.text, caplog.text
+    assert not remote_best.is_best(str(blocked), "step_000000002", RetentionPolicy(), "run1")
