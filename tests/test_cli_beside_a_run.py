@@ -123,6 +123,39 @@ def test_gc_dry_run_beside_a_live_writer_says_so_and_lists_not_its_save(tmp_path
     assert [d["name"] for d in result["delete"]] == [".staging-step_000000030-abc123"]
 
 
+# `resilient-ckpt gc DIR --dry-run --json` in a process of its own (a notebook's `!resilient-ckpt`)
+_DRY_RUN = """
+import sys
+from resilient_callbacks.cli import main
+sys.exit(main(["gc", sys.argv[1], "--dry-run", "--json"]))
+"""
+
+
+def test_gc_dry_run_after_the_writer_closed_in_a_process_still_alive_sees_no_writer(tmp_path):
+    """A notebook: train, ``close()`` the Checkpointer, then ``!resilient-ckpt gc --dry-run
+    DIR``. It said "a writer is open": the lock file kept the closed writer's pid after it
+    released the lock, and that process (the notebook's kernel) was alive. A released lock now
+    names no holder; a writer still open is said as before (from another process and this
+    one)."""
+    from resilient_callbacks.cli import main
+
+    root = tmp_path / "ck"
+    ck = Checkpointer(str(root), keep_last=None, async_save=False)
+    ck.save(10, {"model": torch.nn.Linear(3, 2)})
+    r = spawn_ranks.run_python([sys.executable, "-c", _DRY_RUN, str(root)])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["writer_open"] is True and "a writer is open" in r.stderr
+    ck.close()
+    r = spawn_ranks.run_python([sys.executable, "-c", _DRY_RUN, str(root)])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["writer_open"] is False, r.stderr
+    assert "a writer is open" not in r.stderr, r.stderr
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        assert main(["gc", str(root), "--dry-run", "--json"]) == 0  # (in this process too)
+    assert json.loads(out.getvalue())["writer_open"] is False, err.getvalue()
+
+
 def test_gc_dry_run_leaves_out_what_the_writers_retention_deleted_while_it_read(
     tmp_path, monkeypatch
 ):

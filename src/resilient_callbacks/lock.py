@@ -92,9 +92,9 @@ def _held_here(path: str) -> bool:
 
 def writer_alive(root: str) -> bool:
     """Whether the process the lock file of ``root`` names, on this host, is still alive: a
-    writer running now (the file keeps the last holder's pid after it released it, so a
-    process that exited counts as none). Another host's writer is not seen. Takes no lock, so
-    it never makes a writer that starts now fail to take its own."""
+    writer running now (a holder clears its name when it releases the lock, :meth:`DirLock.release`;
+    one killed keeps it, so a process that exited counts as none). Another host's writer is not
+    seen. Takes no lock, so it never makes a writer that starts now fail to take its own."""
     try:
         with open(os.path.join(root, LOCK_NAME)) as f:
             info = json.loads(f.read() or "{}")
@@ -300,11 +300,16 @@ class DirLock:
         )
 
     def release(self) -> None:
-        """Unlock (idempotent, and safe from two threads at once: the fd is closed once)."""
+        """Unlock (idempotent, and safe from two threads at once: the fd is closed once). The
+        holder's name is cleared first, while the lock is still held: a file naming a process
+        that is still alive (a notebook whose Checkpointer was closed) read as a writer open to
+        :func:`writer_alive` of another process (``gc --dry-run``, ``report``)."""
         with self._mutex:
             fd, self._fd = self._fd, None
         if fd is not None:
             _held.discard(self)
+            with contextlib.suppress(OSError):  # (a read-only file system: nothing to clear)
+                os.ftruncate(fd, 0)
             _unlock_close(fd)
 
     def __del__(self) -> None:  # a writer dropped without close(): its lock goes with it
