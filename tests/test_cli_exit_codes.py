@@ -53,6 +53,18 @@ def _cases(tmp: Path) -> list[tuple[list[str], int, str]]:
         (["report", good, "--output", "s3://bucket/r.html"], 2, "is a URL: the report"),
         (["verify", good, "-o", "anon=true"], 2, "DIR is local here"),
         (["push", good, f"file://{good}"], 2, "no second copy"),
+        # a URL scheme fsspec does not know (a typo), on every command that takes a URL: usage
+        *[
+            (args, 2, "'s4://' is no scheme fsspec knows (did you mean s3://?)")
+            for args in (
+                ["verify", "s4://bucket/run1"],
+                ["ls", good, "--remote", "s4://bucket/run1"],
+                ["gc", good, "--remote", "s4://bucket/run1", "--dry-run"],
+                ["pull", "s4://bucket/run1", str(tmp / "pulled")],
+                ["push", good, "simplecache::s4://bucket/run1"],
+                ["report", good, "--remote", "s4://bucket/run1", "--json"],
+            )
+        ],
         # 3: nothing to act on
         (["verify", empty], 3, "no checkpoints in"),
         (["inspect", empty], 3, "no checkpoints in"),
@@ -61,6 +73,11 @@ def _cases(tmp: Path) -> list[tuple[list[str], int, str]]:
         (["pull", store, str(tmp / "pulled")], 3, "no checkpoints in"),
         (["verify", store], 3, "no checkpoints in"),
         (["report", empty], 3, "has no history.jsonl"),
+        (
+            ["report", good, "--run", "nope", "--json"],
+            3,
+            "no run 'nope' in history.jsonl; its runs",
+        ),
     ]
 
 

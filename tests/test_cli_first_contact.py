@@ -24,7 +24,9 @@ from test_cli import cli, make_run
 
 
 def test_an_unknown_url_scheme_says_how_to_fix_it(tmp_path):
-    """``s4://`` (a typo) said only fsspec's "Protocol not known: s4"."""
+    """``s4://`` (a typo) said only fsspec's "Protocol not known: s4", and exited 1 as a store
+    that failed does. A usage error (2) naming the scheme, the one nearest it, and the schemes
+    installed here and known to fsspec."""
     root = str(tmp_path / "ck")
     make_run(root, steps=(10,))
     for args in (
@@ -34,9 +36,11 @@ def test_an_unknown_url_scheme_says_how_to_fix_it(tmp_path):
         ["push", root, "simplecache::s4://bucket/run1"],
     ):
         r = cli(*args)
-        assert r.returncode == 1, (args, r.stdout, r.stderr)
+        assert r.returncode == 2, (args, r.stdout, r.stderr)
         assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
-        assert "'s4://' is no scheme fsspec knows: check its spelling" in r.stderr, r.stderr
+        said = "'s4://' is no scheme fsspec knows (did you mean s3://?): check its spelling"
+        assert said in r.stderr, r.stderr
+        assert "Installed here: " in r.stderr and " file, " in r.stderr, r.stderr
     with pytest.raises(
         RemoteUnavailableError, match=re.escape("Protocol not known: s4. 's4://' is no")
     ):

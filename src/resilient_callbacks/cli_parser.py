@@ -40,8 +40,9 @@ examples:
 ls, verify, inspect, gc, pull, push and report take --json (typed values, ISO-8601 times).
 Exit codes: 0 success; 1 the command ran and failed (a checkpoint checked is bad, the store
 cannot be reached, the directory is locked); 2 bad usage (also a DIR that does not exist, a URL
-where a local directory belongs); 3 nothing to act on (no checkpoint in DIR or the store: verify,
-inspect, export, pull, push, report); 130 Ctrl-C. ls, gc and report exit 0 whatever the
+where a local directory belongs, a URL scheme fsspec does not know); 3 nothing to act on (no
+checkpoint in DIR or the store: verify, inspect, export, pull, push, report; no such report --run);
+130 Ctrl-C. ls, gc and report exit 0 whatever the
 checkpoints' states (they list them; ls of an empty directory too): verify's exit code says
 whether they are good.
 Run `resilient-ckpt COMMAND --help` for a command's options; docs/cli.md has more."""

@@ -62,8 +62,11 @@ def report(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     data["remote"] = remote.url if remote is not None else None
-    if data.get("missing"):  # no such --run, or no start of a run: failed (as --step N), exit 1
-        raise CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
+    if data.get("missing"):  # no run's records at all: failed, 1 (as verify --step N)
+        missing = CheckpointNotFoundError(f"{args.dir}: {data['missing']}")
+        if args.run is not None and rep.run_ids(history.records(root, lines=read)):
+            raise nothing_found(missing)  # no such --run (the runs there named): 3
+        raise missing
     for target in (args.json, args.png, args.output or "report.html"):
         if target and target != "-":
             _refuse_run_file(root, args.dir, target)

@@ -52,29 +52,13 @@ from .remote_listing import (  # noqa: F401 (re-exported: their old home)
     retention_candidates,
 )
 from .remote_objects import ManifestLastCommit, check_uploaded
-from .remote_url import azure_account_hint, pinned, refuse_cache
+from .remote_url import azure_account_hint, pinned, refuse_cache, unknown_scheme_error
 from .store_key import IDENTITY_OPTIONS, store_identity  # noqa: F401 (re-exported: their old home)
 
 log = logging.getLogger("resilient_callbacks")
 
 PROBE_PREFIX = ".resilient-probe-"
 STALE_UPLOAD_S = 24 * 3600.0  # untouched this long, a folder without a manifest is dead
-
-
-def _scheme_hint(url: str) -> str:
-    """How to fix a URL whose scheme (of any link of a chained ``a::b://`` URL) no installed
-    filesystem takes: fsspec's own words ("Protocol not known: s4") said no more."""
-    known = fsspec.available_protocols()
-    for link in url.split("::"):
-        proto = fsspec.core.split_protocol(link)[0]
-        if proto and proto not in known:
-            return (
-                f". '{proto}://' is no scheme fsspec knows: check its spelling (s3://, "
-                "gs://, az://, file://, ...; `python -c 'import fsspec; "
-                "print(fsspec.available_protocols())'` lists them), or install the package "
-                f"that provides {proto}://"
-            )
-    return ""
 
 
 class RemoteStore:
@@ -98,9 +82,11 @@ class RemoteStore:
                 + azure_account_hint(url, self.options)
             ) from e
         except (TypeError, ValueError) as e:
+            if unknown := unknown_scheme_error(url, options_text(self.options)):
+                raise unknown from e  # a typo (s4://): a usage error
             raise RemoteUnavailableError(
                 f"remote={self.url!r} with remote_options {options_text(self.options)}: "
-                f"{url_text(str(e))}{_scheme_hint(url)}"
+                f"{url_text(str(e))}"
             ) from e
         refuse_cache(self.fs, url)
         self.root = root.rstrip("/")

@@ -1,24 +1,27 @@
 """How :class:`.remote.RemoteStore` opens a URL with fsspec: the options it is given (an
 ``s3://`` endpoint from the environment or the AWS profile, a ``gs://`` one from
 ``STORAGE_EMULATOR_HOST`` or Google's, pinned: :func:`pinned`), the URLs
-refused (behind fsspec's local cache, :func:`refuse_cache`), and what a missing Azure
+refused (behind fsspec's local cache, :func:`refuse_cache`; of a scheme no filesystem takes,
+:func:`unknown_scheme_error`), and what a missing Azure
 filesystem's error adds (:func:`azure_account_hint`). Which ranks call what: whoever opens a
 remote store; nothing collective.
 """
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 
-from .errors import ConfigError, usage
+from .errors import ConfigError, RemoteUnavailableError, usage
 from .redact import url_text
 from .store_key import configured_endpoint, gcs_endpoint, store_identity
 
-__all__ = ["azure_account_hint", "pinned", "refuse_cache"]
+__all__ = ["azure_account_hint", "pinned", "refuse_cache", "unknown_scheme_error"]
 
 
 def azure_account_hint(url: str, options: Mapping[str, Any]) -> str:
@@ -85,3 +88,59 @@ def refuse_cache(fs: Any, url: str) -> None:
                 "written to the local directory already, so the cache saves nothing"
             )
         )
+
+
+def _unknown_scheme(url: str) -> str | None:
+    """The scheme of a link of ``url`` (any of a chained ``a::b://``) that fsspec knows no
+    filesystem for (``s4``), or None."""
+    known = fsspec.available_protocols()
+    for link in url.split("::"):
+        proto = fsspec.core.split_protocol(link)[0]
+        if proto and proto not in known:
+            return str(proto)
+    return None
+
+
+def _schemes() -> tuple[list[str], dict[str, str]]:
+    """The schemes fsspec knows: those whose package is installed here, and the others with
+    the package each needs (``{"gs": "gcsfs"}``). Finds the packages, imports none."""
+    from fsspec.registry import known_implementations, registry
+
+    installed = set(registry)  # (registered at run time: importable by definition)
+    absent: dict[str, str] = {}
+    for proto, impl in known_implementations.items():
+        package = str(impl.get("class", "")).split(".")[0]
+        try:
+            found = bool(package) and importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):
+            found = False
+        if found:
+            installed.add(proto)
+        elif proto not in installed:
+            absent[proto] = package
+    return sorted(installed), dict(sorted(absent.items()))
+
+
+def unknown_scheme_error(url: str, options: str) -> RemoteUnavailableError | None:
+    """For a ``url`` of a scheme fsspec knows no filesystem for (``s4://``, a typo): a usage
+    error (exit 2 in the CLI) naming it, the closest one known, the schemes installed here
+    and those that need a package; None where every scheme of ``url`` is known."""
+    proto = _unknown_scheme(url)
+    if proto is None:
+        return None
+    installed, absent = _schemes()
+    near = difflib.get_close_matches(proto, [*installed, *absent], n=1, cutoff=0.5)
+    guess = ""
+    if near:
+        need = f", which needs the package {absent[near[0]]}" if near[0] in absent else ""
+        guess = f" (did you mean {near[0]}://{need}?)"
+    others = ", ".join(f"{p} ({pkg})" for p, pkg in absent.items())
+    return usage(
+        RemoteUnavailableError(
+            f"remote={url_text(url)!r} with remote_options {options}: Protocol not known: "
+            f"{proto}. '{proto}://' is no scheme fsspec knows{guess}: check its spelling, or "
+            f"install the package that provides {proto}://. Installed here: "
+            f"{', '.join(installed)}"
+            + (f"; known to fsspec, their package not installed: {others}" if others else "")
+        )
+    )

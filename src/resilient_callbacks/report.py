@@ -149,10 +149,15 @@ def run_began(ls: list[Life]) -> float:
     return min(first.begin, saved) if saved is not None else first.begin
 
 
+def run_ids(recs: list[dict[str, Any]]) -> list[str]:
+    """The runs the history's records ``recs`` name, newest first."""
+    return list(dict.fromkeys(str(r["run_id"]) for r in reversed(recs) if r.get("run_id")))
+
+
 def _missing(recs: list[dict[str, Any]], run_id: str | None) -> str:
     """Why the history has nothing to report: no run at all, or none with the id asked for
     (naming the runs it has, newest first)."""
-    runs = list(dict.fromkeys(r.get("run_id") for r in reversed(recs) if r.get("run_id")))
+    runs = run_ids(recs)
     if run_id is None or not runs:
         return "no history records of a run in this directory (history.jsonl)"
     return f"no run {run_id!r} in history.jsonl; its runs, newest first: {', '.join(runs)}"
