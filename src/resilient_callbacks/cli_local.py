@@ -29,6 +29,7 @@ from .cli_nodes import (
     keep_uncommitted_parts,
     not_uploaded_note,
 )
+from .cli_policy import recorded_policy
 from .cli_scan import no_checkpoints, public, resolve, row
 from .commit import (
     LATEST_TMP_PREFIX,
@@ -46,12 +47,13 @@ from .retention import CORRUPT_KEPT, Plan, RetentionPolicy, plan
 
 
 def _policy(entries: list[Entry], keep_last: int | None) -> RetentionPolicy:
-    """The retention recorded in the newest valid manifest, ``keep_last`` overriding it."""
+    """The retention recorded in the newest valid manifest, ``keep_last`` overriding it
+    (:func:`.cli_policy.recorded_policy`, as ``gc --remote`` picks the remote one)."""
     newest = next((e for e in by_commit(entries) if e.status is Status.VALID), None)
-    base = RetentionPolicy()
-    if newest is not None and newest.manifest is not None and newest.manifest.retention:
-        base = RetentionPolicy.from_json(newest.manifest.retention)
-    return base if keep_last is None else dataclasses.replace(base, keep_last=keep_last)
+    m = newest.manifest if newest is not None else None
+    got = recorded_policy(newest.name if newest else None, m, keep_last).policy
+    assert got is not None  # (locally, nothing recorded keeps every checkpoint)
+    return got
 
 
 def dropped_archives(args: argparse.Namespace) -> str | None:

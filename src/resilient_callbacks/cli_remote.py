@@ -15,6 +15,7 @@ from typing import Any
 from . import catalog
 from .catalog import Depth, Entry, Status
 from .cli_format import CORRUPT, INCOMPLETE, SIZES, UNVERIFIED, fmt_size, iso_time, print_json
+from .cli_policy import Recorded, recorded_policy
 from .cli_scan import is_url, no_checkpoints, resolve
 from .errors import (
     CheckpointError,
@@ -422,26 +423,29 @@ def push(args: argparse.Namespace) -> int:
 
 def remote_plan(
     entries: list[RemoteEntry], keep_last: int | None = None, drop_archives: str | None = None
-) -> tuple[Plan | None, RetentionPolicy, str | None]:
-    """The remote retention's plan for the store's ``entries``: by the remote retention
-    recorded in its newest manifest (``keep_last`` overriding it; ``drop_archives``: archive
-    points count as any other), that policy, and the newest checkpoint's run. No plan where
-    the newest records none and ``keep_last`` is not given (a store of ``push``'s)."""
+) -> tuple[Plan | None, Recorded, str | None]:
+    """The remote retention's plan for the store's ``entries``: by the policy recorded in its
+    newest manifest (:func:`.cli_policy.recorded_policy`: its remote retention, or the run's
+    own where it had no remote tier; ``keep_last`` overriding it; ``drop_archives``: archive
+    points count as any other), that policy with where it came from, and the newest
+    checkpoint's run. No plan where the newest records no policy and ``keep_last`` is not
+    given."""
     from .remote import retention_candidates
     from .retention import plan
 
     committed = [e for e in entries if e.manifest is not None]
     newest = next((e for e in reversed(committed) if e.problem is None), None)
-    run_id = newest.manifest.run_id if newest is not None and newest.manifest else None
-    recorded = newest.manifest.remote_retention if newest and newest.manifest else {}
-    policy = RetentionPolicy.from_json(recorded)
-    if not recorded and keep_last is None and committed:
-        return None, policy, run_id
-    if keep_last is not None:
-        policy = dataclasses.replace(policy, keep_last=keep_last)
+    m = newest.manifest if newest is not None else None
+    run_id = m.run_id if m is not None else None
+    got = recorded_policy(newest.name if newest else None, m, keep_last, remote=True)
+    policy = got.policy
+    if policy is None and not committed:  # (an empty store: nothing to plan, nothing to say)
+        policy = RetentionPolicy(keep_last=keep_last)
+    if policy is None:
+        return None, got, run_id
     cands = retention_candidates(committed)
     if drop_archives:  # those archive points under the policy they were written with
         cands = [dataclasses.replace(c, archived=False) for c in cands]
     if drop_archives == "all":  # and the policy's own
         policy = dataclasses.replace(policy, keep_every_n_steps=None)
-    return plan(cands, policy, run_id), policy, run_id
+    return plan(cands, policy, run_id), Recorded(policy, got.source), run_id

@@ -11,23 +11,28 @@ from typing import Any
 from .catalog import archived, archived_point
 from .cli_format import as_run
 from .cli_local import dropped_archives
+from .cli_policy import policy_text
 from .cli_remote import remote_plan
-from .errors import CheckpointError, RemoteDeleteRefusedError
+from .errors import CheckpointError, RemoteDeleteRefusedError, usage
 from .remote import NO_MANIFEST, STALE_UPLOAD_S, RemoteEntry, RemoteStore
 from .remote_claims import REMOTE_CKPT_RE
+from .retention import RetentionPolicy
 
 DROPPED = "an archive point, deleted by --drop-archives/--drop-all-archives"
 Listed = tuple[list[RemoteEntry], dict[str, int]]  # RemoteStore.scan_with_blobs()
 
 
 def no_policy(args: argparse.Namespace, url: str, local: bool) -> CheckpointError:
-    """The error of ``gc --remote URL`` whose store records no remote retention, said before
-    anything is deleted (``local``: DIR is cleaned too, so --keep-last applies to it)."""
+    """The error of ``gc --remote URL`` whose newest checkpoint records no retention at all
+    (neither the remote tier's nor the run's own), said before anything is deleted (``local``:
+    DIR is cleaned too, so --keep-last applies to it). A usage error: gc needs --keep-last."""
     too = f" (it applies to {args.dir} as well)" if local else ""
-    return CheckpointError(
-        f"{url}: its newest checkpoint records no remote retention (written by an older "
-        f"version, or pushed with `resilient-ckpt push`), so gc cannot tell what it keeps: "
-        f"nothing was deleted; pass --keep-last N{too}"
+    return usage(
+        CheckpointError(
+            f"{url}: its newest checkpoint records no retention policy (neither remote_retention "
+            f"nor the run's retention: written by an older version, or by another tool), so gc "
+            f"cannot tell what it keeps: nothing was deleted; pass --keep-last N{too}"
+        )
     )
 
 
@@ -58,8 +63,9 @@ def gc_remote(
             "(a mistyped one reads as an empty store)",
             file=sys.stderr,
         )
-    p, policy, run_id = remote_plan(entries, args.keep_last, dropped_archives(args))
-    if p is None:
+    p, applied, run_id = remote_plan(entries, args.keep_last, dropped_archives(args))
+    policy = applied.policy
+    if p is None or policy is None:
         raise no_policy(args, st.url, local=False)
     now = time.time()
     doomed: list[tuple[Any, str]] = []
@@ -120,6 +126,7 @@ def gc_remote(
         "url": st.url,
         "run_id": run_id,
         "retention": policy.to_json(),
+        "retention_from": applied.source,
         "delete": [facts(e, why) for e, why in doomed if e.name not in failed],
         "failed": [
             facts(e, why) | {"error": failed[e.name]} for e, why in doomed if e.name in failed
@@ -150,6 +157,8 @@ def _local_copies_note(args: argparse.Namespace, doomed: list[Any]) -> None:
 
 def print_gc_remote(result: dict[str, Any], args: argparse.Namespace) -> None:
     verb = "would delete" if args.dry_run else "deleted"
+    applied = policy_text(RetentionPolicy.from_json(result["retention"]))
+    print(f"{result['url']}: remote retention {applied} ({result['retention_from']})")
     for d in result["delete"]:
         print(
             f"{verb} {d['path']} (step {d['step'] if d['step'] is not None else '?'}): {d['why']}"
