@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+from pathlib import Path
 
 import torch
 
 from resilient_callbacks import Checkpointer
 from test_cli import cli
+from test_remote_best import _forget_upload
 
 
 def _run(root: str, **kw) -> None:
@@ -109,13 +112,14 @@ def test_gc_remote_without_the_runs_dir_drops_archives_a_restart_does_not_upload
 def test_an_archive_point_never_uploaded_is_uploaded_at_a_restart_that_makes_it_due(
     tmp_path, caplog
 ):
-    """A run with ``remote_every_n_saves=3`` never uploads its archive points of steps 4 and
-    8 (not due: the local tier keeps them); the restart uploads every save. The remote holds a
-    later commit of the run (step 12), and the restart took that as proof that steps 4 and 8
-    had been uploaded and deleted there on purpose: it said so (untrue), uploaded neither, and
-    its local retention (``keep_last`` alone once every save is uploaded) then deleted both,
-    so the archive points were gone from both tiers. Only a checkpoint the directory's history
-    records as uploaded is taken as deleted from the remote since."""
+    """A run with ``remote_every_n_saves=3`` of a library that uploaded archive points only
+    when due by the interval never uploaded those of steps 4 and 8 (the local tier keeps
+    them); the restart uploads every save. The remote holds a later commit of the run (step
+    12), and the restart took that as proof that steps 4 and 8 had been uploaded and deleted
+    there on purpose: it said so (untrue), uploaded neither, and its local retention
+    (``keep_last`` alone once every save is uploaded) then deleted both, so the archive points
+    were gone from both tiers. Only a checkpoint the directory's history records as uploaded
+    is taken as deleted from the remote since."""
     local, remote = str(tmp_path / "local"), tmp_path / "durable" / "run"
     url = f"file://{remote}"
     kw = {"every_n_steps": 1, "keep_last": 1, "keep_every_n_steps": 4, "remote": url}
@@ -125,7 +129,10 @@ def test_an_archive_point_never_uploaded_is_uploaded_at_a_restart_that_makes_it_
         for step in range(1, 13):
             state["w"] += 1
             ck.step(step, state)
-    assert _steps(str(remote)) == [12] and _steps(local) == [4, 8, 12]
+    assert _steps(str(remote)) == [4, 8, 12] and _steps(local) == [4, 8, 12]
+    for step in (4, 8):  # (as that library left them: never uploaded)
+        shutil.rmtree(remote / f"step_{step:09d}")
+        _forget_upload(Path(local) / "history.jsonl", step)
     caplog.set_level(logging.INFO, "resilient_callbacks")
     with Checkpointer(local, **kw) as ck:
         assert ck.restore(state) == 12

@@ -5,10 +5,12 @@ and harness of tests/test_nodelocal_failures.py (a hang fails at the spawn deadl
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
 from test_nodelocal_failures import _run
+from test_remote_best import _forget_upload
 
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
@@ -66,19 +68,30 @@ def test_a_global_manifest_the_restore_cannot_read_is_said_not_committed(tmp_pat
     assert (tmp_path / "remote" / "step_000000006" / "manifest.json").exists()
 
 
-def test_an_archive_point_never_uploaded_is_uploaded_at_a_restart_that_makes_it_due(tmp_path):
-    """remote_every_n_saves=3: the archive point of step 4 (commit 2) is not due, never
-    uploaded; step 6 (commit 3) is committed remotely. The restart (every 2nd save) makes it
-    due, but it skipped every local checkpoint older than the store's newest commit of the
-    run, taking it as uploaded: step 4 stayed on the nodes' disks only (a node replaced lost
-    it), without a word. The coordinator's history now records each remote commit: one older
-    than the newest that it does not record is uploaded and committed (as in shared mode).
-    One it records, deleted from the store since (by `gc --remote --drop-archives`), is not
-    uploaded again by the next restart."""
+def _archive_point_never_uploaded(tmp_path: Path) -> Path:
+    """A first run of 8 steps, every 3rd save uploaded, archive points every 4 steps (steps 4
+    and 8 uploaded as they are saved, and 6); then step 4 as a library that uploaded archive
+    points only by the interval left it: not in the store, no remote commit recorded."""
     _run(tmp_path, "first", 2, "--steps", "8", "--remote-every", "3", RC_KEEP_EVERY=4)
     remote = tmp_path / "remote"
     first = sorted(p.parent.name for p in remote.glob("step_*/manifest.json"))
-    assert first == ["step_000000006"], first
+    assert first == ["step_000000004", "step_000000006", "step_000000008"], first
+    shutil.rmtree(remote / "step_000000004")
+    _forget_upload(tmp_path / "node0" / "history.jsonl", 4)
+    return remote
+
+
+def test_an_archive_point_never_uploaded_is_uploaded_at_a_restart_that_makes_it_due(tmp_path):
+    """remote_every_n_saves=3: the archive point of step 4 (commit 2) was not due for a
+    library that uploaded archive points only by the interval, never uploaded; step 6
+    (commit 3) is committed remotely. The restart (every 2nd save) makes it due, but it
+    skipped every local checkpoint older than the store's newest commit of the run, taking it
+    as uploaded: step 4 stayed on the nodes' disks only (a node replaced lost it), without a
+    word. The coordinator's history now records each remote commit: one older than the newest
+    that it does not record is uploaded and committed (as in shared mode). One it records,
+    deleted from the store since (by `gc --remote --drop-archives`), is not uploaded again by
+    the next restart."""
+    remote = _archive_point_never_uploaded(tmp_path)
     for node in (0, 1):
         assert (tmp_path / f"node{node}" / "step_000000004").is_dir()
     out = _run(tmp_path, "second", 2, "--steps", "8", "--remote-every", "2", RC_KEEP_EVERY=4,
@@ -109,7 +122,7 @@ def test_an_archive_point_whose_global_manifest_is_unreadable_is_not_uploaded_at
     node uploaded its part all the same, which no commit could ever name: a full checkpoint's
     bytes sent again at every restart, left in the store uncommitted. Now no node uploads it,
     and the coordinator's ERROR names the file and what commits it."""
-    _run(tmp_path, "first", 2, "--steps", "8", "--remote-every", "3", RC_KEEP_EVERY=4)
+    _archive_point_never_uploaded(tmp_path)
     (tmp_path / "node0" / "step_000000004" / "remote_manifest.json").unlink()
     out = _run(tmp_path, "second", 2, "--steps", "8", "--remote-every", "2", RC_KEEP_EVERY=4,
                RC_CAPTURE_LOG=1)  # fmt: skip

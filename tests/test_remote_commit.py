@@ -565,7 +565,8 @@ def test_the_coordinator_records_each_remote_commit_and_a_restart_uploads_the_un
     """The coordinator's committer records each remote commit in its node's history (an
     ``upload`` record with the commit number); a restart then uploads an archive point older
     than the store's newest commit that the store lacks only where no record names it (never
-    uploaded, not due under an earlier ``remote_every_n_saves``) and every node holds its part:
+    uploaded: saved by a library that uploaded archive points only when due by
+    ``remote_every_n_saves``) and every node holds its part:
     one recorded was deleted from the store since on purpose (said at INFO), one a node lacks
     cannot be committed (an ERROR names the node). Before, every such checkpoint stayed local
     without a word (the end-to-end case: tests/test_nodelocal_recovery.py)."""

@@ -332,16 +332,17 @@ class CheckpointerConfig:
     def remote_due(self, seq: int, reason: str) -> bool:
         """Is the checkpoint of commit number ``seq`` uploaded? Every ``remote_every_n_saves``-th
         one, and always a final, emergency or exception save (the last state of a run). The
-        writer uploads one of the run's best too (:mod:`.remote_best`: it reads the directory)."""
+        writer uploads an archive point and one of the run's best too (:mod:`.remote_best`)."""
         k = self.remote_every_n_saves
         return k is None or seq % k == 0 or reason in ("final", "emergency", "close", "exception")
 
     def local_retention_policy(self) -> RetentionPolicy:
         """With a remote tier, the local disk keeps only the ``keep_last`` newest (plus what is
         not uploaded yet); best and archive checkpoints are kept remotely. Unless only every
-        ``remote_every_n_saves``-th is uploaded: an archive checkpoint may then never reach the
-        remote, so the local disk keeps them too; and the best ones, which the next saves are
-        ranked against to tell whether one of them is uploaded as a best (:mod:`.remote_best`)."""
+        ``remote_every_n_saves``-th is uploaded: the local disk then keeps the best ones, which
+        the next saves are ranked against to tell whether one of them is uploaded as a best
+        (:mod:`.remote_best`), and its archive points too (uploaded as they are saved: a
+        restart uploads one the store lacks from these copies, :mod:`.node_recovery`)."""
         if self.remote is None or self.remote_every_n_saves not in (None, 1):
             return self.retention_policy()
         return RetentionPolicy(keep_last=self.keep_last)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import threading
@@ -255,7 +256,9 @@ class Directory:
         due = self.remote_due is None or self.remote_due(committed.seq, committed.reason)
         if self.sync is not None:
             sync = self.sync
-            due = due or self.is_best(name, sync.policy)  # (uploaded whatever the interval)
+            # (an archive point or one of the best: uploaded whatever the interval)
+            ranks = functools.partial(self.is_best, name, sync.policy)
+            due = remote_best.why_due(due, committed.step, sync.policy, ranks) is not None
             self.hold_upload(committed.step, None if due else lambda: sync.enqueue(name), name)
             if due:
                 try:

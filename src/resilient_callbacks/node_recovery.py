@@ -4,8 +4,9 @@ the run's newest remote commit, only those the remote retention keeps; the coord
 their remote commit from the global manifest it kept beside its copy. An archive point (or
 one of the run's best, :mod:`.remote_best`) older than that commit which the store lacks is
 uploaded too where the coordinator's history records no remote commit of it (never uploaded:
-not due under an earlier ``remote_every_n_saves``) and every node holds its part; one recorded
-was deleted from the store since, on purpose.
+saved by a library that uploaded it only when due by ``remote_every_n_saves``, or a stop cut
+its upload off) and every node holds its part; one recorded was deleted from the store since,
+on purpose.
 
 Which ranks call what: :func:`recover_uploads` on every rank after the restore loaded (the
 leaders act); one collective on every rank (``cpu_group``): whether every leader could read
@@ -17,6 +18,7 @@ uploads the same older ones.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -53,7 +55,7 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
     # (leaders: the older archive points and best ones this node holds, [seq, step, what];
     # rank 0: the remote commits its history records, and the older ones whose commit it
     # cannot write)
-    held = None if planned is None else [[x[1].seq, x[1].step, _what(x[1])] for x in planned[3]]
+    held = None if planned is None else [[x[1].seq, x[1].step, _what(d, x[1])] for x in planned[3]]
     mine: list[Any] = [problem, held, recorded, blocked]
     got = [mine]
     if topo.cpu_group is not None:  # (every rank: one node's failure is every node's)
@@ -200,9 +202,11 @@ def _say_older(
         )
 
 
-def _what(m: Manifest) -> str:
-    """What an older checkpoint the store lacks is, that makes it due (:func:`_plan`)."""
-    return "an archive point" if archived(m) else "a best checkpoint (keep_best)"
+def _what(d: NodeDirectory, m: Manifest) -> str:
+    """What an older checkpoint the store lacks is, that makes it due: :func:`_plan` takes
+    those :func:`.remote_best.kept` names alone, so one not an archive point is a best one."""
+    policy = d.config.remote_retention_policy()
+    return remote_best.kept(m.step, policy, lambda: True, archived(m)) or remote_best.BEST
 
 
 def _unknown(recorded: set[int]) -> str:
@@ -244,7 +248,8 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
     due: list[Any] = []
     older: list[Any] = []
     entries = catalog.scan(d.dirpath, Depth.SIZE)
-    best = remote_best.best(entries, d.config.remote_retention_policy(), d.run_id)
+    policy = d.config.remote_retention_policy()
+    best = remote_best.best(entries, policy, d.run_id)
     for e in entries:
         m = e.manifest
         if m is None or e.status is not Status.VALID or m.run_id != d.run_id:
@@ -255,11 +260,12 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
         if key in remote_keys or not name:
             continue
         # older than the store's newest commit of the run: uploaded before (and deleted there
-        # since), or never (an archive point not due under an earlier remote_every_n_saves,
-        # one a backlog dropped; a best one saved before remote_best): an archive point or
-        # best checkpoint the history records no commit of is uploaded (recover_uploads
-        # decides, with every node); any other stays local
-        if m.seq <= newest_remote and not (archived(m) or e.name in best):
+        # since), or never (saved by a library that uploaded it only when due by
+        # remote_every_n_saves, one a backlog dropped): an archive point or best checkpoint
+        # the history records no commit of is uploaded (recover_uploads decides, with every
+        # node); any other stays local
+        ranks = functools.partial(set.__contains__, best, e.name)
+        if m.seq <= newest_remote and not remote_best.kept(m.step, policy, ranks, archived(m)):
             continue
         # downloaded (a node-local save writes no blob; "remote_blobs": the remote copy had
         # blobs, maybe none of them read by this node's ranks): its blobs are no node's to
@@ -267,7 +273,8 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
         if m.blobs or node.get("remote_blobs"):
             log.info("not uploading %s again: downloaded, its blobs are not on this node", e.name)
             continue
-        if d.config.remote_due(m.seq, m.reason) or e.name in best:
+        interval = d.config.remote_due(m.seq, m.reason)
+        if remote_best.why_due(interval, m.step, policy, ranks, archived(m)):
             (older if m.seq <= newest_remote else due).append((e.name, m, key, name))
     due.sort(key=lambda x: x[1].seq)
     # (another layout's parts are not discarded either: under the same name, this run's save
@@ -292,8 +299,9 @@ def _queue(d: NodeDirectory, due: list[Any], kept: list[Any], why: str, older: l
             job = UploadJob(local, name, key, own_files(m), tag=commit_tag(m))
             d.uploader.discard(job)
     never = " the store lacks, whose remote commit the run's history does not record (not "
-    never += "due under an earlier remote_every_n_saves, or a stop cut it off)"
-    whys = [(x, _what(x[1]) + never) for x in older] + [(x, why) for x in kept]
+    never += "uploaded when it was saved: an earlier version of this library or other "
+    never += "options; or a stop cut its upload off)"
+    whys = [(x, _what(d, x[1]) + never) for x in older] + [(x, why) for x in kept]
     for (local, m, key, name), reason in sorted(whys, key=lambda w: w[0][1].seq):
         if d.committer is not None:
             try:

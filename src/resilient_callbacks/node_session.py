@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import after_commit_work, dist
+from . import after_commit_work, dist, remote_best
 from .commit import STAGING_PREFIX, ckpt_name, remove_checkpoint, replace_file
 from .errors import CheckpointWriteError, sentence
 from .filewrite import encode_json
@@ -43,7 +43,8 @@ class _Outcome:
     drop: list[list[Any]] = field(default_factory=list)
     kept: list[list[Any]] = field(default_factory=list)  # remote commit given up: parts stay
     moved: list[list[Any]] = field(default_factory=list)  # [run, seq, name]: name was taken
-    # the coordinator's: uploaded now (remote_every_n_saves, or one of the best: remote_best)
+    # the coordinator's: uploaded now (remote_every_n_saves, or an archive point or one of the
+    # best: remote_best)
     due: bool = True
 
 
@@ -287,9 +288,10 @@ class NodeLocalSession:
             committer, key, name = d.committer, (self.run_id, self.seq), self.name
             here = os.path.basename(local_path) if local_path is not None else None
             tag = self.token
-            due = d.config.remote_due(self.seq, reason)
-            if not due and here is not None:  # (one of the best: uploaded too, on every node)
-                due = d.is_best(here, committer.policy)
+            # (an archive point or one of the best: uploaded too, on every node)
+            interval, policy = d.config.remote_due(self.seq, reason), committer.policy
+            ranks = functools.partial(d.is_best, here, policy) if here else (lambda: False)
+            due = remote_best.why_due(interval, self.step, policy, ranks) is not None
             if due:
                 d.hold_upload(self.step, None)
                 committer.expect(key, name, data, here, tag)

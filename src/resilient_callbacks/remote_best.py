@@ -1,20 +1,25 @@
-"""The best checkpoints reach the remote tier, whatever ``remote_every_n_saves`` says.
+"""The saves the remote retention keeps reach the remote tier, whatever ``remote_every_n_saves``
+says: the run's best checkpoints and its archive points.
 
 With ``remote_every_n_saves=N`` only every Nth commit is uploaded; the remote retention keeps
-the ``remote_keep_best`` (by default ``keep_best``) best of what it was given. A best
-checkpoint that was not an Nth save lay on the local disk only (in node-local mode lost with a
-node), and the remote kept the best of the others. So a save that is one of the best the
-remote retention keeps, among the run's checkpoints in the directory as it is committed, is
-uploaded as well (a later, better save makes it an ordinary one that the remote retention
-deletes). The test is :func:`~.retention.best_names` under the remote policy over the local
+the ``remote_keep_best`` (by default ``keep_best``) best of what it was given, and the archive
+points (``keep_every_n_steps``) of what it was given forever. A best checkpoint or an archive
+point that was not an Nth save lay on the local disk only (in node-local mode lost with a
+node): the remote kept the best of the others, and archive points only by chance. So
+:func:`why_due`, the one decision every commit and restart asks, uploads a save that is due by
+the interval, an archive point under the remote retention's policy (:func:`~.retention.
+kept_as_archive`, what the remote retention then keeps: never one it deletes), or one of the
+best the remote retention keeps, among the run's checkpoints in the directory as it is
+committed (a later, better save makes it an ordinary one that the remote retention deletes).
+The best test is :func:`~.retention.best_names` under the remote policy over the local
 checkpoints: the local tier keeps its ``keep_best`` best too with such an interval
 (:meth:`~.config.CheckpointerConfig.local_retention_policy`), so none of the run's best is missed;
 where ``remote_keep_best`` is larger, one ranked below them may be uploaded needlessly (the
 remote retention deletes it), never one of them skipped.
 
-The same test at a restart (:mod:`.node_recovery`, :func:`~.restore_remote.reconcile_uploads`)
-makes a best checkpoint the store lacks due, as an archive point (one the run's history records
-as uploaded was deleted from the store on purpose since: not uploaded again).
+The same tests at a restart (:mod:`.node_recovery`, :func:`~.restore_remote.reconcile_uploads`,
+through :func:`kept`) make a best checkpoint or an archive point the store lacks due (one the
+run's history records as uploaded was deleted from the store since: not uploaded again).
 
 Which ranks call what: the coordinator at each commit (shared mode: the one writer; node-local
 mode: rank 0, on its node's directory, broadcasting the decision with the commit's outcome so
@@ -24,13 +29,48 @@ every node uploads its part or none does); each leader at a restart, on its own 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from . import catalog
 from .catalog import Depth, Entry
-from .retention import RetentionPolicy, best_names
+from .retention import RetentionPolicy, best_names, kept_as_archive
 
 log = logging.getLogger("resilient_callbacks")
+
+#: why a save is uploaded (:func:`why_due`), as the logs name it
+INTERVAL = "due by remote_every_n_saves"
+ARCHIVE = "an archive point"
+BEST = "a best checkpoint (keep_best)"
+
+
+def why_due(
+    interval_due: bool,
+    step: int,
+    policy: RetentionPolicy,
+    ranks_best: Callable[[], bool],
+    archived: bool = False,
+) -> str | None:
+    """Why a save of ``step`` is uploaded (:data:`INTERVAL`, :data:`ARCHIVE`, :data:`BEST`), or
+    None: not due. ``interval_due``: by ``remote_every_n_saves`` (a final, emergency or
+    exception save too: :meth:`~.config.CheckpointerConfig.remote_due`); ``policy``: the
+    remote retention's; ``ranks_best``: whether it ranks among the best ``policy`` keeps, asked
+    last (it reads the directory); ``archived``: it was an archive point under the remote
+    policy it was written with (:func:`~.catalog.archived`; at a commit, ``policy`` is that)."""
+    if interval_due:
+        return INTERVAL
+    return kept(step, policy, ranks_best, archived)
+
+
+def kept(
+    step: int, policy: RetentionPolicy, ranks_best: Callable[[], bool], archived: bool = False
+) -> str | None:
+    """Whether the remote retention ``policy`` keeps a save of ``step`` beyond its
+    ``keep_last``, so it is uploaded whatever the interval: :data:`ARCHIVE` (forever),
+    :data:`BEST`, or None. :func:`why_due` without the interval; a restart asks it of a
+    checkpoint older than the store's newest commit of the run, which the store lacks."""
+    if kept_as_archive(step, archived, policy):
+        return ARCHIVE
+    return BEST if ranks_best() else None
 
 
 def best(entries: Iterable[Entry], policy: RetentionPolicy, run_id: str | None) -> set[str]:

@@ -7,6 +7,7 @@ the result); :func:`url_of` on any rank; :func:`reconcile_uploads` on the coordi
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import replace
@@ -117,7 +118,8 @@ def reconcile_uploads(ck: Checkpointer) -> None:
     assert d.sync is not None and d.remote is not None
     remote_entries = d.sync.entries()  # listed by this restore's merge_tiers
     entries = d.checkpoints()
-    best = remote_best.best(entries, d.sync.policy, d.run_id)  # (due whatever the interval)
+    # (an archive point or one of the best: due whatever the interval)
+    best = remote_best.best(entries, d.sync.policy, d.run_id)
     local = [
         e
         for e in entries
@@ -125,10 +127,12 @@ def reconcile_uploads(ck: Checkpointer) -> None:
         and e.status is Status.VALID
         and e.manifest.run_id == d.run_id
         and not d.sync.is_uploaded(e.manifest)
-        and (
-            d.remote_due is None
-            or d.remote_due(e.manifest.seq, e.manifest.reason)
-            or e.name in best
+        and remote_best.why_due(
+            d.remote_due is None or d.remote_due(e.manifest.seq, e.manifest.reason),
+            e.manifest.step,
+            d.sync.policy,
+            functools.partial(set.__contains__, best, e.name),
+            catalog.archived(e.manifest),
         )
     ]
     if not local:

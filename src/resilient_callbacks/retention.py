@@ -171,12 +171,9 @@ def plan(
     for c in _best(mine, policy, off):
         key = str(policy.monitor)
         mark(c, f"best {key}={c.metrics[key]:.6g}")
-    n = policy.keep_every_n_steps
     for c in mine:
-        if n and c.step % n == 0:
-            mark(c, f"archive (every {n} steps)")
-        elif c.archived:
-            mark(c, "archive point when it was written: kept forever")
+        if why := kept_as_archive(c.step, c.archived, policy):
+            mark(c, why)
     for c in mine:
         if (c.run_id, c.seq) in off and keep[c.name]:
             mark(c, ABANDONED)
@@ -184,6 +181,19 @@ def plan(
     gone = {c.name for c in cands if (c.run_id, c.seq) in off}
     held = _roll_back_heads(cands, {c.name for c in cands if c.name in gone and keep[c.name]})
     return Plan({k: v for k, v in keep.items() if v}, delete, gone, held)
+
+
+def kept_as_archive(step: int, archived: bool, policy: RetentionPolicy) -> str | None:
+    """Why :func:`plan` keeps a checkpoint of ``step`` forever as an archive point under
+    ``policy`` (``archived``: it was one under the policy recorded when it was written), or
+    None: with ``remote_every_n_saves``, one the remote retention keeps so is uploaded
+    whatever the interval (:mod:`.remote_best`)."""
+    n = policy.keep_every_n_steps
+    if n and step % n == 0:
+        return f"archive (every {n} steps)"
+    if archived:
+        return "archive point when it was written: kept forever"
+    return None
 
 
 def best_names(
