@@ -149,3 +149,21 @@ def test_a_directory_that_cannot_be_read_counts_the_save_as_best(tmp_path, caplo
     assert remote_best.is_best(str(blocked), "step_000000002", policy, "run1")
     assert "could not be read to tell (NotADirectoryError" in caplog.text, caplog.text
     assert not remote_best.is_best(str(blocked), "step_000000002", RetentionPolicy(), "run1")
+
+
+def test_a_best_checkpoint_the_store_dropped_may_have_been_deleted_by_its_retention(caplog):
+    """Node-local restart: a best checkpoint whose remote commit rank 0's history records, gone
+    from the store, was said deleted by gc or by hand only; with remote_keep_best > keep_best
+    the remote retention deletes one itself once the store holds better ones the nodes' disks
+    no longer keep. The INFO now says so of a best one (not of an archive point: kept there)."""
+    from types import SimpleNamespace
+
+    from resilient_callbacks import node_recovery, remote_best
+
+    d = SimpleNamespace(remote=SimpleNamespace(url="file:///store"), dirpath="/ck")
+    kinds = {1: remote_best.BEST, 2: remote_best.ARCHIVE}
+    caplog.set_level(logging.INFO, "resilient_callbacks")
+    node_recovery._say_older(d, {1: 2, 2: 4}, {1, 2}, set(), [{1: 2, 2: 4}], kinds)
+    said = caplog.text
+    assert "not uploading step 2 (commit 1), step 4 (commit 2) again" in said, said
+    assert "step(s) 2, best on the nodes' disks (keep_best), maybe by the remote retention" in said

@@ -6,7 +6,7 @@ one of the run's best, :mod:`.remote_best`) older than that commit which the sto
 uploaded too where the coordinator's history records no remote commit of it (never uploaded:
 saved by a library that uploaded it only when due by ``remote_every_n_saves``, or a stop cut
 its upload off) and every node holds its part; one recorded was deleted from the store since,
-on purpose.
+on purpose (or, a best one, by the remote retention once better ones outranked it).
 
 Which ranks call what: :func:`recover_uploads` on every rank after the restore loaded (the
 leaders act); one collective on every rank (``cpu_group``): whether every leader could read
@@ -175,14 +175,24 @@ def _say_older(
     uploaded, and why."""
     dropped = sorted(s for s in steps if s in recorded)
     if dropped:  # (the remote retention keeps archive points: remote_listing.retention_candidates)
+        # but not a best one once better ones outranked it there: the store ranks what it
+        # holds (remote_keep_best > keep_best: more than the local disk keeps to rank against)
+        outranked = [s for s in dropped if kinds[s] == remote_best.BEST]
         log.info(
             "not uploading %s again: committed remotely by this run (its history records it) "
             "and deleted from %s since, by `resilient-ckpt gc --remote` (--drop-archives, "
             "--drop-all-archives, --remove-corrupt of a damaged copy, or --other-runs) or "
-            "outside this library (by hand, or an expiry rule of the store); the nodes' copies "
-            "stay while the local retention keeps them",
+            "outside this library (by hand, or an expiry rule of the store)%s; the nodes' "
+            "copies stay while the local retention keeps them",
             ", ".join(f"step {steps[s]} (commit {s})" for s in dropped),
             d.remote.url if d.remote is not None else "the store",
+            (
+                f"; step(s) {', '.join(str(steps[s]) for s in outranked)}, best on the nodes' "
+                "disks (keep_best), maybe by the remote retention too: it ranks what the store "
+                "holds, better ones the disks no longer keep with remote_keep_best > keep_best"
+            )
+            if outranked
+            else "",
         )
     for s in sorted(x for x in steps if x not in recorded and x not in everywhere):
         lacking = [str(n) for n, h in enumerate(held) if s not in h]
