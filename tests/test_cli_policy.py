@@ -101,3 +101,43 @@ def test_gc_remote_of_a_store_recording_no_retention_is_a_usage_error(tmp_path):
     got = _remote(cli("gc", alone, "--remote", url, "--dry-run", "--json", "--keep-last", "2"))
     assert _deleted(got) == [10, 20, 30, 40]
     assert got["retention_from"] == "--keep-last 2; no retention recorded"
+
+
+def _committed(store: Path) -> list[str]:
+    return sorted(p.parent.name for p in store.glob("step_*/manifest.json"))
+
+
+def _as_before_remote_retention(store: Path) -> None:
+    """Every manifest under ``store`` as a version before 2026-11-24 wrote it: no
+    ``remote_retention`` and no checksum of itself (added the day after)."""
+    for path in store.glob("step_*/manifest.json"):
+        m = json.loads(path.read_text())
+        m.pop("remote_retention", None)
+        m.pop(SELF_CHECKSUM, None)
+        path.write_text(json.dumps(m))
+
+
+def test_gc_remote_of_an_older_remote_tiers_store_deletes_nothing_without_keep_last(tmp_path):
+    """A run with a remote tier of a version before manifests recorded ``remote_retention``
+    recorded only its local tier's retention (keep_last alone: best and archive checkpoints
+    were the remote's to keep). gc --remote read that as the remote's own and deleted the
+    store's best checkpoint and archive points; such a manifest (no checksum of itself) cannot
+    tell a pushed store from a remote tier's, so gc still asks for --keep-last N."""
+    root, url = str(tmp_path / "ck"), (tmp_path / "remote").as_uri()
+    opts = {"keep_last": 1, "keep_best": 1, "monitor": "loss", "keep_every_n_steps": 20}
+    with Checkpointer(root, async_save=False, remote=url, **opts) as ck:
+        for s in STEPS:
+            ck.save(s, {"w": torch.zeros(2)}, metrics={"loss": 0.001 if s == 10 else 1.0 / s})
+    held = _committed(tmp_path / "remote")
+    assert {f"step_{s:09d}" for s in (10, 20, 40, 60)} <= set(held), held  # best, archives, last
+    _as_before_remote_retention(tmp_path / "remote")
+    alone = str(tmp_path / "elsewhere")  # (no such directory: the store alone)
+    r = cli("gc", alone, "--remote", url)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "pass --keep-last N" in r.stderr, r.stderr
+    said = "step_000000060, records no remote_retention and was written by a version before"
+    assert said in r.stderr, r.stderr
+    assert _committed(tmp_path / "remote") == held
+    got = _remote(cli("gc", alone, "--remote", url, "--dry-run", "--json", "--keep-last", "1"))
+    assert got["retention"]["keep_best"] == 0  # (what --keep-last alone says: as before)
+    assert got["retention_from"].startswith("--keep-last 1; the rest none: its newest"), got

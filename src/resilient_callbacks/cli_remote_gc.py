@@ -22,16 +22,16 @@ DROPPED = "an archive point, deleted by --drop-archives/--drop-all-archives"
 Listed = tuple[list[RemoteEntry], dict[str, int]]  # RemoteStore.scan_with_blobs()
 
 
-def no_policy(args: argparse.Namespace, url: str, local: bool) -> CheckpointError:
-    """The error of ``gc --remote URL`` whose newest checkpoint records no retention at all
-    (neither the remote tier's nor the run's own), said before anything is deleted (``local``:
-    DIR is cleaned too, so --keep-last applies to it). A usage error: gc needs --keep-last."""
+def no_policy(args: argparse.Namespace, url: str, local: bool, why: str) -> CheckpointError:
+    """The error of ``gc --remote URL`` whose newest checkpoint records no retention gc can
+    apply (``why``: :func:`.cli_policy.recorded_policy`'s), said before anything is deleted
+    (``local``: DIR is cleaned too, so --keep-last applies to it). A usage error: gc needs
+    --keep-last."""
     too = f" (it applies to {args.dir} as well)" if local else ""
     return usage(
         CheckpointError(
-            f"{url}: its newest checkpoint records no retention policy (neither remote_retention "
-            f"nor the run's retention: written by an older version, or by another tool), so gc "
-            f"cannot tell what it keeps: nothing was deleted; pass --keep-last N{too}"
+            f"{url}: {why}, so gc cannot tell what it keeps: nothing was deleted; pass "
+            f"--keep-last N{too}"
         )
     )
 
@@ -39,8 +39,9 @@ def no_policy(args: argparse.Namespace, url: str, local: bool) -> CheckpointErro
 def check_plannable(args: argparse.Namespace, st: RemoteStore, listed: Listed, local: bool) -> None:
     """Raise :func:`no_policy`'s error where the store's listing gives ``gc`` no plan: before
     DIR's own gc deletes anything."""
-    if remote_plan(listed[0], args.keep_last, dropped_archives(args))[0] is None:
-        raise no_policy(args, st.url, local)
+    got, applied, _ = remote_plan(listed[0], args.keep_last, dropped_archives(args))
+    if got is None:
+        raise no_policy(args, st.url, local, applied.source)
 
 
 def gc_remote(
@@ -66,7 +67,7 @@ def gc_remote(
     p, applied, run_id = remote_plan(entries, args.keep_last, dropped_archives(args))
     policy = applied.policy
     if p is None or policy is None:
-        raise no_policy(args, st.url, local=False)
+        raise no_policy(args, st.url, False, applied.source)
     now = time.time()
     doomed: list[tuple[Any, str]] = []
     kept: list[tuple[Any, str]] = []

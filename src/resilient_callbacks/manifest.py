@@ -92,6 +92,11 @@ class Manifest:
     # the checkpoint it descends from and the commits of its run it does not (branches.py);
     # {}: none recorded (written before the field existed): commit order
     lineage: dict[str, Any] = field(default_factory=dict)
+    # read from a manifest that carries its checksum of itself (SELF_CHECKSUM): written on or
+    # after 2026-11-25, by a version that records ``remote_retention`` whenever its run has a
+    # remote tier (an older one, with a remote tier, recorded only the local tier's policy).
+    # Not a field of the JSON: it says which writer wrote it
+    sealed: bool = field(default=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if any(f.kind == BLOB_KIND for f in self.files):
@@ -119,6 +124,7 @@ class Manifest:
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
+        del d["sealed"]
         d["files"] = [f.to_json() for f in self.files]
         if self.blobs:
             d["blobs"] = [b.to_json() for b in self.blobs]
@@ -176,6 +182,7 @@ class Manifest:
                 extra=dict(d.get("extra") or {}),
                 blobs=blobs,
                 lineage=dict(d.get("lineage") or {}),
+                sealed=SELF_CHECKSUM in d,
             )
             branches.of(m.lineage)  # a malformed one makes the checkpoint corrupt
         except UnsafeManifestError:
