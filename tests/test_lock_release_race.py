@@ -150,3 +150,36 @@ def test_a_release_while_verify_relocks_leaves_nothing_locked_and_closes_each_fd
     again = DirLock(str(tmp_path))  # nothing of this process holds the new file
     again.acquire(wait_s=0.0)
     again.release()
+
+
+def test_a_writer_waiting_for_a_command_takes_the_lock_it_releases(tmp_path, monkeypatch):
+    """A writer waits for a ``resilient-ckpt gc`` that holds the directory. The command's
+    ``release`` clears ``.lock`` before it unlocks: a writer that read the file in between
+    found no command named there, stopped waiting, failed to lock the file (still locked) and
+    raised "another process is writing checkpoints" (a run started beside an operator's gc
+    crashed as it finished). It goes on waiting: here the command clears the file at the
+    writer's first pause (its lock kept) and unlocks at the second."""
+    gc = DirLock(str(tmp_path), command="gc")  # (its own open file: a lock apart)
+    gc.acquire()
+    real_sleep = lockmod.time.sleep
+    pauses: list[float] = []
+
+    def sleep(s: float) -> None:
+        pauses.append(s)
+        if len(pauses) == 1:
+            assert gc._fd is not None
+            os.ftruncate(gc._fd, 0)  # the command's release, up to its unlock
+        elif len(pauses) == 2:
+            gc.release()
+        real_sleep(0)
+
+    monkeypatch.setattr(lockmod.time, "sleep", sleep)
+    writer = DirLock(str(tmp_path))
+    try:
+        writer.acquire(wait_s=WAIT_S)
+        assert writer.held and len(pauses) >= 2
+        with open(writer.path) as f:
+            assert f'"pid": {os.getpid()}' in f.read()
+    finally:
+        writer.release()
+        gc.release()

@@ -27,6 +27,9 @@ LOCK_NAME = ".lock"
 # How long a writer waits for a ``resilient-ckpt`` command (gc, pull, push) that holds its
 # directory before it fails: a run (re)started while an operator cleans up waits, not crashes.
 COMMAND_WAIT_S = 600.0
+# How long a writer waiting for a command goes on while ``.lock``, still locked, names no holder
+# (one taking it writes its name, one releasing it clears it: a moment either way)
+_BLANK_S = 2.0
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -157,12 +160,21 @@ class DirLock:
         said = False
         if not self._holder():  # (its holder may be writing its name into it this moment)
             time.sleep(0.05)
-        while (cmd := self._holder().get("command")) and time.monotonic() < deadline:
+        blank_until = time.monotonic() + _BLANK_S
+        while time.monotonic() < deadline:
+            info = self._holder()
+            cmd = info.get("command")
+            if info:
+                blank_until = time.monotonic() + _BLANK_S
+            # a file naming no holder while the lock is held: its holder is writing its name,
+            # or has cleared it and unlocks this moment (release()); a command ending so is
+            # waited for as before (a writer stopped here raised "another process is writing")
+            if not cmd and (info or time.monotonic() > blank_until):
+                break  # a writer holds it
             if pending.requests():
                 self._preempted = True
                 break
-            if not said:
-                info = self._holder()
+            if cmd and not said:
                 log.warning(
                     "`resilient-ckpt %s` (pid %s on %s) holds %s: waiting for it to finish "
                     "(at most %.0f s) before this run writes checkpoints there",
@@ -173,7 +185,7 @@ class DirLock:
                     wait_s,
                 )
                 said = True
-            time.sleep(0.2)
+            time.sleep(0.2 if cmd else 0.02)
             if _flock(fd):
                 return True
         return _flock(fd)
