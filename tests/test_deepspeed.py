@@ -22,6 +22,7 @@ of an uninterrupted run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -1307,6 +1308,30 @@ def test_the_launcher_started_by_aprun_is_one_of_several_ranks() -> None:
     assert single_process_env(dict(slurm))
     assert not single_process_env({**slurm, "ALPS_APP_PE": "1", "SLURM_NTASKS": "2"})
     assert single_process_env({"ALPS_APP_ID": "1234567"})
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_the_launcher_under_aprun_without_mpi4py_says_how_to_run_one_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``aprun -n 1`` (ALPS_APP_PE=0, nothing else) ran as the only rank until aprun's processes
+    were left to DeepSpeed's MPI discovery (ALPS says no number of processes): without mpi4py
+    it then failed with DeepSpeed's bare ``No module named 'mpi4py'``. The error now says that
+    aprun started it and how to run one process or give MPI its ranks."""
+    pytest.importorskip("deepspeed")
+    if importlib.util.find_spec("mpi4py") is not None:
+        pytest.skip("mpi4py is installed: MPI discovery would find the ranks")
+    for var in ("SLURM_JOB_ID", "SLURM_JOBID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE",
+                "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_SIZE"):  # fmt: skip
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("ALPS_APP_PE", "0")
+    code = "import deepspeed\ndeepspeed.init_distributed(dist_backend='gloo')\n"
+    proc = _launch_alone(tmp_path / "train.py", code)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    err = proc.stderr[-4000:]
+    assert "No module named 'mpi4py': Cray's aprun started this process (ALPS_APP_PE=0)" in err
+    assert "start it without aprun, or set RANK=0 LOCAL_RANK=0 WORLD_SIZE=1" in err, err
 
 
 def _launch_alone(script: Path, code: str, *args: str) -> subprocess.CompletedProcess:

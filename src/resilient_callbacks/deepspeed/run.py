@@ -26,7 +26,7 @@ import re
 import runpy
 import socket
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -58,7 +58,7 @@ def single_process_env(environ: MutableMapping[str, str]) -> bool:
         return False
     if environ.get("SLURM_NTASKS", "1") != "1":
         return False
-    if _ALPS_RANK in environ and not any(k in environ for k in ("SLURM_JOB_ID", "SLURM_JOBID")):
+    if _aprun_alone(environ):
         return False
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,6 +76,30 @@ def single_process_env(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
+def _aprun_alone(environ: Mapping[str, str]) -> bool:
+    """Cray's ``aprun`` started this process outside a Slurm job and set nothing DeepSpeed finds
+    its ranks by but through MPI (``ALPS_APP_PE`` alone: ``aprun -n 1`` looks like rank 0 of
+    several)."""
+    return (
+        _ALPS_RANK in environ
+        and not any(k in environ for k in ("SLURM_JOB_ID", "SLURM_JOBID"))
+        and not any(k in environ for k in (*RENDEZVOUS, *_MPI))
+    )
+
+
+def _aprun_needs_mpi4py(environ: Mapping[str, str]) -> str:
+    """What DeepSpeed's ``No module named 'mpi4py'`` means under :func:`_aprun_alone`."""
+    return (
+        f"No module named 'mpi4py': Cray's aprun started this process ({_ALPS_RANK}="
+        f"{environ.get(_ALPS_RANK)}) and none of {', '.join((*RENDEZVOUS, *_MPI))} is set, so "
+        "DeepSpeed looks for its ranks through MPI, which needs mpi4py: install it (built "
+        "against the system's MPI), or load cray-pmi so that PMI_RANK and PMI_SIZE are set. "
+        "aprun says no number of processes, so `aprun -n 1` cannot be told from rank 0 of "
+        "several: for one process, start it without aprun, or set RANK=0 LOCAL_RANK=0 "
+        "WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>"
+    )
+
+
 def single_process_at_init() -> None:
     """Make DeepSpeed's ``init_distributed`` (``deepspeed.init_distributed``, the
     ``deepspeed.comm`` one that ``deepspeed.initialize`` and ``zero.Init`` call) run
@@ -90,9 +114,15 @@ def single_process_at_init() -> None:
     original = ds_comm.init_distributed
 
     def init_distributed(*args: object, **kwargs: object) -> object:
+        aprun = False
         if not (tdist.is_available() and tdist.is_initialized()):
-            single_process_env(os.environ)
-        return original(*args, **kwargs)
+            aprun = not single_process_env(os.environ) and _aprun_alone(os.environ)
+        try:
+            return original(*args, **kwargs)
+        except ModuleNotFoundError as e:  # (aprun -n 1 without mpi4py ran alone before)
+            if aprun and e.name == "mpi4py":
+                raise ModuleNotFoundError(_aprun_needs_mpi4py(os.environ), name=e.name) from e
+            raise
 
     init_distributed.__doc__ = original.__doc__
     for name, module in list(sys.modules.items()):  # (and later imports take comm.comm's)
