@@ -171,3 +171,33 @@ def test_gc_without_remote_keeps_what_the_history_does_not_record_as_uploaded(tm
     url = f"file://{tmp_path}/remote"  # (it holds them: the command named deletes them)
     r = cli("gc", str(root), "--remote", url, "--keep-last", "1", "--dry-run")
     assert "would delete step_000000002" in r.stdout and "kept step_" not in r.stderr, r.stdout
+
+
+def test_gc_without_remote_reads_an_upload_record_whose_lag_is_not_a_number(tmp_path):
+    """An ``upload`` record with a ``lag_s`` that is no number (a foreign tool's line, bit rot)
+    spoils only that record's commit time: gc took it with ``float`` and stopped with a
+    ValueError. Its commit time is not known, so no checkpoint is taken as committed before
+    it: those the history does not record as uploaded are kept (the record's own time, later
+    than step 2's commit, would have let gc delete step 2, never uploaded)."""
+    import json
+
+    import torch
+
+    from resilient_callbacks import Checkpointer
+
+    root = tmp_path / "ck"
+    with Checkpointer(
+        root, remote=f"file://{tmp_path}/remote", keep_last=4, async_save=False
+    ) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, {"w": torch.full((4,), float(step))})
+    hist = root / "history.jsonl"
+    lines = hist.read_text().splitlines(keepends=True)
+    first = next(json.loads(x) for x in lines if '"upload"' in x and '"step": 1,' in x)
+    first["lag_s"] = "soon"
+    kept = [x for x in lines if '"upload"' not in x]  # killed once step 1 was uploaded
+    hist.write_text("".join(kept) + json.dumps(first) + "\n")
+    r = cli("gc", str(root), "--keep-last", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "keep step_000000002 (step 2, valid): not uploaded as far as the" in r.stdout, r.stdout
+    assert "deleted step_000000001" in r.stdout, r.stdout

@@ -116,13 +116,11 @@ def not_uploaded(entries: list[Entry], p: Plan) -> set[str]:
 
 def _uploads(root: str, run_id: str) -> tuple[frozenset[str], float]:
     """The names of run ``run_id``'s checkpoints whose upload the history of ``root`` records,
-    and the newest one's commit time (the record's time less its ``lag_s``)."""
-    names, newest = set(), 0.0
-    for r in history.records(root, ("upload",)):
-        if r.get("run_id") == run_id and isinstance(name := r.get("name"), str):
-            names.add(name)
-            newest = max(newest, float(r.get("time") or 0.0) - float(r.get("lag_s") or 0.0))
-    return frozenset(names), newest
+    and the newest one's commit time (:attr:`.history.Upload.committed`; 0.0 where no record
+    gives one: then every other checkpoint of the run is taken as not uploaded, kept)."""
+    sent = history.uploads(root, run_id)
+    known = [u.committed for u in sent.values() if u.committed is not None]
+    return frozenset(sent), max(known, default=0.0)
 
 
 def not_uploaded_note(args: Any, keep: list[dict[str, Any]]) -> str | None:

@@ -117,6 +117,39 @@ def records(
     return out
 
 
+@dataclass(frozen=True)
+class Upload:
+    """What a directory's history records of the uploads of one checkpoint name: ``time``,
+    that of the newest ``upload`` record (written once the upload ended); ``committed``, the
+    newest commit time they give (the record's time less its ``lag_s``, how long after its
+    commit the upload ended), None where none has a number there (a foreign or damaged line:
+    its checkpoint's commit time is not known)."""
+
+    time: float
+    committed: float | None
+
+
+def uploads(root: str, run_id: str | None) -> dict[str, Upload]:
+    """The local names of run ``run_id``'s checkpoints whose upload the history of ``root``
+    records (``upload`` records: the uploader's after each upload, a node-local coordinator's
+    after each remote commit), each with its :class:`Upload` (a name uploaded more than once,
+    a later checkpoint under a deleted one's name: the newest of each time)."""
+    out: dict[str, Upload] = {}
+    for r in records(root, ("upload",)):
+        if r.get("run_id") != run_id or not isinstance(name := r.get("name"), str):
+            continue
+        at, lag = float(r["time"]), r.get("lag_s")
+        committed: float | None = None  # (a lag that is no number: not known)
+        if isinstance(lag, (int, float)) and not isinstance(lag, bool) and math.isfinite(lag):
+            committed = at - lag
+        if (seen := out.get(name)) is not None:
+            at = max(at, seen.time)
+            known = [c for c in (committed, seen.committed) if c is not None]
+            committed = max(known) if known else None
+        out[name] = Upload(at, committed)
+    return out
+
+
 def unreadable(root: str, *, lines: list[str] | None = None) -> int:
     """How many lines of the history :func:`records` skips (torn, foreign, malformed); blank
     lines are not counted. ``lines``: the file's, read already."""

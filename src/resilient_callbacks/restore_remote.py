@@ -101,16 +101,6 @@ def _install(ck: Checkpointer, staging: str, name: str, manifest: Manifest) -> s
     return final
 
 
-def uploaded_at(root: str, run_id: str | None) -> dict[str, float]:
-    """The local names of run ``run_id``'s checkpoints whose upload the history of ``root``
-    records, with the time of the newest record of each."""
-    out: dict[str, float] = {}
-    for r in history.records(root, ("upload",)):
-        if r.get("run_id") == run_id and isinstance(name := r.get("name"), str):
-            out[name] = max(out.get(name, -1.0), float(r.get("time") or 0.0))
-    return out
-
-
 def reconcile_uploads(ck: Checkpointer) -> None:
     """Coordinator, after a restore: queue this run's local checkpoints whose upload a crash
     interrupted, if the remote retention policy would keep them."""
@@ -158,14 +148,15 @@ def reconcile_uploads(ck: Checkpointer) -> None:
         (m.seq for e in remote_entries if (m := e.manifest) and m.run_id == d.run_id), default=0
     )
     held = {e.key for e in remote_entries}  # (a copy there that differs: not deleted)
-    sent = uploaded_at(ck.dirpath, d.run_id) if missing else {}
+    sent = history.uploads(ck.dirpath, d.run_id) if missing else {}
     dropped = [
         n
         for n in missing
         if (m := by_name[n]) is not None
         and m.seq < later
         and (m.run_id, m.seq) not in held
-        and sent.get(n, -1.0) >= m.created  # (not an upload of an earlier folder of that name)
+        and n in sent
+        and sent[n].time >= m.created  # (not an upload of an earlier folder of that name)
     ]
     if dropped:
         log.info(
