@@ -96,10 +96,41 @@ def test_an_endpoint_variable_without_a_scheme_is_not_pinned_as_http(monkeypatch
 
     monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "store.example:9000")
-    assert pinned("s3://bkt/run", {}) == {}
+    assert pinned("s3://bkt/run", {}) == ({}, "store.example:9000")
     assert store_identity({}, "s3")["endpoint_url"] == "http://store.example:9000"
     monkeypatch.setenv("AWS_ENDPOINT_URL", "https://store.example:9000")
-    assert pinned("s3://bkt/run", {}) == {"endpoint_url": "https://store.example:9000"}
+    endpoint = "https://store.example:9000"
+    assert pinned("s3://bkt/run", {}) == ({"endpoint_url": endpoint}, endpoint)
+
+
+def test_an_s3_store_reads_the_aws_config_once(tmp_path, monkeypatch):
+    """Opening an ``s3://`` store whose options and environment name no endpoint reads the AWS
+    config's profile once (a botocore session, about 12 ms): the options it opens with and
+    its key took one each. The key is as before: none where the profile names no endpoint,
+    the profile's where it names one without a scheme (left to the client, not pinned)."""
+    from resilient_callbacks import store_key
+
+    for var in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    config = tmp_path / "aws_config"
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    looked_up = []
+    profile_endpoint = store_key._profile_endpoint
+
+    def counted(profile):
+        looked_up.append(profile)
+        return profile_endpoint(profile)
+
+    monkeypatch.setattr(store_key, "_profile_endpoint", counted)
+    creds = {"key": "testing", "secret": "testing"}
+    config.write_text("[default]\nregion = us-east-1\n")
+    assert RemoteStore("s3://bkt/run", creds).key == "s3://bkt/run"
+    assert looked_up == [None]
+    config.write_text("[profile p]\nendpoint_url = store.example:9000\n")
+    store = RemoteStore("s3://bkt/run", {**creds, "profile": "p"})
+    assert store.key == 's3://bkt/run {"endpoint_url": "http://store.example:9000"}'
+    assert "endpoint_url" not in store.fs.storage_options
+    assert looked_up == [None, "p"]
 
 
 def test_a_gcs_emulator_and_real_gcs_are_two_stores_and_the_first_seen_is_kept(monkeypatch):
@@ -115,22 +146,25 @@ def test_a_gcs_emulator_and_real_gcs_are_two_stores_and_the_first_seen_is_kept(m
 
     for var in ("STORAGE_EMULATOR_HOST", "GOOGLE_CLOUD_UNIVERSE_DOMAIN"):
         monkeypatch.delenv(var, raising=False)
-    real = pinned("gs://bucket/run", {"token": "anon"})
+    real = pinned("gs://bucket/run", {"token": "anon"})[0]
     assert real == {"token": "anon", "endpoint_url": "https://storage.googleapis.com"}
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "127.0.0.1:4443")  # (gcsfs: http:// before it)
-    emulated = pinned("gs://bucket/run", {"token": "anon"})
+    emulated = pinned("gs://bucket/run", {"token": "anon"})[0]
     assert emulated == {"token": "anon", "endpoint_url": "http://127.0.0.1:4443"}
     assert store_identity(real, "gs") == {}  # (Google's own: the key of a plain gs:// URL)
     assert store_identity(emulated, "gs") == {"endpoint_url": "http://127.0.0.1:4443"}
     assert store_identity({}, "gs") == store_identity(emulated, "gs")  # (the key as before)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "https://emulator.lab:8443")
-    assert pinned("gcs://bucket/run", {}) == {"endpoint_url": "https://emulator.lab:8443"}
+    assert pinned("gcs://bucket/run", {}) == ({"endpoint_url": "https://emulator.lab:8443"}, None)
     assert store_identity(real, "gs") == {}  # the stores opened before keep theirs
     assert store_identity(emulated, "gs") == {"endpoint_url": "http://127.0.0.1:4443"}
     given = {"endpoint_url": "http://127.0.0.1:9023"}  # gcsfs's option before the variable
-    assert pinned("gs://bucket/run", given) == given
+    assert pinned("gs://bucket/run", given) == (given, None)
     monkeypatch.setenv("STORAGE_EMULATOR_HOST", "default")  # (gcsfs: as unset)
-    assert pinned("gs://bucket/run", {}) == {"endpoint_url": "https://storage.googleapis.com"}
+    assert pinned("gs://bucket/run", {}) == (
+        {"endpoint_url": "https://storage.googleapis.com"},
+        None,
+    )
     assert store_identity({}, "gs") == {}
 
 

@@ -74,7 +74,8 @@ class RemoteStore:
         try:
             # importing the backend may draw from the global RNGs (see global_rngs)
             with preserved():
-                self.fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **pinned(url, self.options))
+                opening, endpoint = pinned(url, self.options)
+                self.fs, root = fsspec.core.url_to_fs(url.rstrip("/"), **opening)
         except ImportError as e:
             raise RemoteUnavailableError(
                 f"remote={self.url!r}: the filesystem for this URL is not installed ({e}). For "
@@ -100,7 +101,7 @@ class RemoteStore:
         where = os.path.realpath(self.root) if self.is_local else self.root
         self.key = f"{self.protocol}://{where}"
         if ident := store_identity(
-            getattr(self.fs, "storage_options", None) or self.options, self.protocol
+            getattr(self.fs, "storage_options", None) or self.options, self.protocol, endpoint
         ):
             self.key += " " + json.dumps(ident, sort_keys=True)
         # name -> (its manifest's listed size, time, etag; the manifest): see _read_manifests

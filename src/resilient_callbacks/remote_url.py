@@ -44,7 +44,7 @@ def azure_account_hint(url: str, options: Mapping[str, Any]) -> str:
     )
 
 
-def pinned(url: str, options: dict[str, Any]) -> dict[str, Any]:
+def pinned(url: str, options: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
     """``options`` for opening ``url``, with the endpoint its client takes from the environment
     given as ``endpoint_url`` where they name none. ``s3://``: the one of the environment or
     the AWS profile (:func:`.store_key.configured_endpoint`): fsspec keeps one filesystem per
@@ -54,18 +54,21 @@ def pinned(url: str, options: dict[str, Any]) -> dict[str, Any]:
     ``STORAGE_EMULATOR_HOST``, else Google's), which it otherwise reads again at every request:
     a store opened on real GCS went to an emulator named later, and one opened on an emulator
     to the emulator named after it (or to real GCS once the variable was unset), while its key
-    still said the first."""
+    still said the first. Also the ``s3://`` endpoint looked up ("" where none is configured;
+    None where none was looked up), which :func:`.store_key.store_identity` takes as
+    ``configured`` rather than reading the AWS config through a botocore session again (about
+    12 ms a store)."""
     protocol = fsspec.core.split_protocol(url)[0] or ""
     if "endpoint_url" in store_identity(options):
-        return options
+        return options, None
     if protocol in ("gs", "gcs"):
-        return {**options, "endpoint_url": gcs_endpoint()}
+        return {**options, "endpoint_url": gcs_endpoint()}, None
     if protocol not in ("s3", "s3a"):
-        return options
+        return options, None
     endpoint = configured_endpoint(protocol, options)
     # (a variable without a scheme is left to the client: pinning it as http:// would send a
     # secure endpoint's traffic in the clear, where the client refuses it)
-    return {**options, "endpoint_url": endpoint} if "://" in endpoint else options
+    return ({**options, "endpoint_url": endpoint} if "://" in endpoint else options), endpoint
 
 
 def refuse_cache(fs: Any, url: str) -> None:

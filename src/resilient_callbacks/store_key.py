@@ -32,7 +32,9 @@ IDENTITY_OPTIONS = (
 )
 
 
-def store_identity(options: Mapping[str, Any], protocol: str = "") -> dict[str, str]:
+def store_identity(
+    options: Mapping[str, Any], protocol: str = "", configured: str | None = None
+) -> dict[str, str]:
     """The options of :data:`IDENTITY_OPTIONS` among ``options`` (also nested, as
     ``client_kwargs.endpoint_url``), and the account an Azure ``connection_string`` names,
     normalised so that one store spelled two ways gives one identity (two keys for one store
@@ -44,7 +46,8 @@ def store_identity(options: Mapping[str, Any], protocol: str = "") -> dict[str, 
     GCS: ``STORAGE_EMULATOR_HOST``), the service's own public endpoint (any ``amazonaws.com``
     host on S3, ``storage.googleapis.com`` on GCS) as no endpoint, a port its default (22 on
     sftp) as none, and an Azure account however it is given (name, account URL or host,
-    connection string) as its name."""
+    connection string) as its name. ``configured``: :func:`configured_endpoint` of
+    ``protocol`` and ``options``, looked up already (None: looked up here where needed)."""
     found: dict[str, list[str]] = {}  # name -> values, the shallowest first
 
     def walk(opts: Mapping[str, Any]) -> None:
@@ -67,7 +70,9 @@ def store_identity(options: Mapping[str, Any], protocol: str = "") -> dict[str, 
 
     walk(options)
     out = {name: _normal(values[0]) for name, values in found.items()}
-    if "endpoint_url" not in out and (value := configured_endpoint(protocol, options)):
+    if configured is None and "endpoint_url" not in out:
+        configured = configured_endpoint(protocol, options)
+    if "endpoint_url" not in out and (value := configured):
         out["endpoint_url"] = _normal(value if "://" in value else f"http://{value}")
     host = urlsplit(out.get("endpoint_url", "")).hostname or ""
     if host and _public(protocol, host):
