@@ -1611,11 +1611,22 @@ def test_a_validation_after_a_save_and_before_the_next_step_sees_the_copy_done(
     copy_later = snapshot.Snapshot._copy_later
 
     def held(self, items, stream):
-        events["may_copy"].wait(timeout=3)  # the fixed callback waits for the copy first
+        events["may_copy"].wait(timeout=3)  # (only if nothing lets it go: a failure)
         copy_later(self, items, stream)
         events["copied"].set()
 
+    wait_device = snapshot.Snapshot.wait_device
+
+    def waited_for(self):
+        # the training thread waits for a held copy: it goes at once (the fixed callback waits
+        # at on_validation_start, and waited out the 3 s above); before the fix nothing waited
+        # for it before the validation step let it go
+        if self._thread is not None:
+            events["may_copy"].set()
+        wait_device(self)
+
     monkeypatch.setattr(snapshot.Snapshot, "_copy_later", held)
+    monkeypatch.setattr(snapshot.Snapshot, "wait_device", waited_for)
     trained = {}
 
     class Record(L.Callback):
