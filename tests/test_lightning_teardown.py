@@ -27,6 +27,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 from torch.utils.data import DataLoader, TensorDataset
 
 from resilient_callbacks import checkpointer as ckmod
+from resilient_callbacks import upload_wait
 from resilient_callbacks.checkpointer import RESUMABLE_EXIT_CODE
 from resilient_callbacks.errors import UploadIncompleteError
 from resilient_callbacks.lightning import ResilientCheckpoint
@@ -146,6 +147,8 @@ class _Profiler(PassThroughProfiler):
 def store_down(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every upload fails; close gives up after 0.5 s of it. Returns the attempts' count."""
     monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)
+    # close() looks 20 times a second: it gave up at its second look, a second apart
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)
     attempts: list[int] = []
 
     def down(*a: Any, **k: Any) -> None:
