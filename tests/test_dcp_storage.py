@@ -1010,11 +1010,12 @@ def test_the_reader_falls_back_past_a_damaged_newest_remote_checkpoint(tmp_path,
 
 _WRITER_OUTAGE = """
 import sys, torch, torch.distributed.checkpoint as dcp
-from resilient_callbacks import checkpointer
+from resilient_callbacks import checkpointer, upload_wait
 from resilient_callbacks.dcp import ResilientStorageWriter
 from resilient_callbacks.remote import RemoteStore
 
 checkpointer.CLOSE_OUTAGE_S = 0.5  # (300 s by default)
+upload_wait.LOOK_S = 0.05  # (close() looks at the uploads 20 times a second, not once)
 
 def down(self, *a, **k):
     raise ConnectionError("the store is down")

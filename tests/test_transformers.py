@@ -1160,10 +1160,12 @@ def test_a_close_that_gives_up_on_uploads_runs_every_callbacks_train_end_first(
     or ends a tracking run) never got their on_train_end. Now the close comes after them all,
     and its error is still raised by train()."""
     from resilient_callbacks import checkpointer as ckmod
+    from resilient_callbacks import upload_wait
     from resilient_callbacks.errors import UploadIncompleteError
     from resilient_callbacks.remote import RemoteStore
 
     monkeypatch.setattr(ckmod, "CLOSE_OUTAGE_S", 0.5)
+    monkeypatch.setattr(upload_wait, "LOOK_S", 0.05)  # (close() looks 20 times a second)
 
     def down(*a, **k):
         raise ConnectionError("the store is down")
