@@ -206,8 +206,8 @@ def _read_checkpoint(source: str, step: int | None) -> tuple[str, layout.LoadedP
 
 
 def cli_export(args: argparse.Namespace) -> int:
-    """The ``export`` command (``python -m resilient_callbacks.transformers export DIR OUT
-    [--step N] [--force]``): prints what it wrote; returns the exit code."""
+    """``resilient-ckpt export`` of a Trainer run's checkpoint (also ``python -m
+    resilient_callbacks.transformers export``): prints what it wrote; returns the exit code."""
     try:
         # first, so that its refusals name the CLI's --force (not the Python API's overwrite)
         force = bool(getattr(args, "force", False))
