@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from resilient_callbacks.cli_format import DIR_HELP
 from resilient_callbacks.errors import RemoteUnavailableError
 from resilient_callbacks.remote import RemoteStore
 from test_cli import cli, make_run
@@ -414,6 +415,26 @@ def test_the_help_says_which_exit_codes_judge_the_checkpoints(tmp_path):
     assert "verify's exit code says whether they are good" in top, top
     gc_help = " ".join(cli("gc", "--help").stdout.split())
     assert "alone where DIR does not exist" in gc_help, gc_help
+
+
+def test_every_commands_dir_help_says_which_directory_it_is():
+    """``export --help`` called DIR "a ResilientCheckpoint directory": a plain Checkpointer's
+    (which it exports, --key) or a DeepSpeed run's seemed not to be one. Every command's DIR is
+    described alike now, as the directory given to Checkpointer or ResilientCheckpoint."""
+    from resilient_callbacks.cli_parser import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    helps = {
+        cmd: a.help
+        for cmd, p in sub.choices.items()
+        for a in p._actions
+        if a.dest == "dir" and cmd != "pull"  # (pull's DIR is where it downloads to)
+    }
+    assert set(helps) == set(sub.choices) - {"pull"}, helps
+    bad = {cmd: h for cmd, h in helps.items() if not str(h).startswith(DIR_HELP)}
+    assert not bad, bad
+    assert helps["export"] == DIR_HELP + ", or one checkpoint in it"
 
 
 def test_pull_and_push_of_a_step_not_there_name_the_steps_that_are(tmp_path):

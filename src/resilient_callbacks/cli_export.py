@@ -9,14 +9,12 @@ import importlib.util
 import sys
 from typing import Any
 
-from .cli_format import PROG
+from .cli_format import DIR_OR_ONE_HELP, PROG
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
     """The ``export`` command's arguments (also ``python -m resilient_callbacks.transformers``)."""
-    p.add_argument(
-        "dir", metavar="DIR", help="a ResilientCheckpoint directory, or one checkpoint in it"
-    )
+    p.add_argument("dir", metavar="DIR", help=DIR_OR_ONE_HELP)
     p.add_argument(
         "out",
         metavar="OUT",

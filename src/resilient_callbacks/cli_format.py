@@ -32,6 +32,9 @@ from typing import Any
 from .retention import ABANDONED
 
 PROG = "resilient-ckpt"  # the command's name in its messages
+# what a command's DIR is, in every command's --help (export's too)
+DIR_HELP = "the checkpoint directory (the one given to Checkpointer or ResilientCheckpoint)"
+DIR_OR_ONE_HELP = DIR_HELP + ", or one checkpoint in it"
 
 VALID = "valid"
 UNVERIFIED = "unverified"

@@ -12,7 +12,7 @@ from typing import Any
 
 from .cli_commands import cmd_gc, cmd_inspect, cmd_ls, cmd_pull, cmd_push, cmd_report, cmd_verify
 from .cli_export import add_export_arguments, cmd_export
-from .cli_format import PROG
+from .cli_format import DIR_HELP, DIR_OR_ONE_HELP, PROG
 
 DESCRIPTION = """\
 Look at, verify and clean up a directory of checkpoints written by resilient_callbacks
@@ -47,8 +47,6 @@ checkpoints' states (they list them; ls of an empty directory too): verify's exi
 whether they are good.
 Run `resilient-ckpt COMMAND --help` for a command's options; docs/cli.md has more."""
 
-DIR_HELP = "the checkpoint directory (the one given to Checkpointer or ResilientCheckpoint)"
-DIR_OR_ONE_HELP = DIR_HELP + ", or one checkpoint in it"
 OPTION_HELP = (
     "an fsspec option for the remote store, KEY=VALUE (repeatable); a VALUE that parses as "
     "JSON is used as JSON: -o endpoint_url=http://127.0.0.1:9000 "
