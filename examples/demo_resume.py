@@ -164,10 +164,12 @@ def main() -> int:
         time.sleep(0.005)
     proc.wait()
     killed_losses, killed_saves = read_log(log)
-    print(
-        f"  killed (exit {proc.returncode}) after step {max(killed_losses, default=0)}; "
-        f"last checkpoint taken: step {max(killed_saves, default=0)}"
+    taken = (
+        f"last checkpoint taken: step {max(killed_saves)}"
+        if killed_saves
+        else f"no checkpoint taken yet (the first was due at step {min(args.every, args.steps)})"
     )
+    print(f"  killed (exit {proc.returncode}) after step {max(killed_losses, default=0)}; {taken}")
 
     print("[3/3] same command again")
     offset = os.path.getsize(log)
@@ -187,8 +189,10 @@ def main() -> int:
         first = f"{killed_losses[s]:>14.8f}" if s in killed_losses else " " * 14
         again = f"{b[s]:>14.8f}" if s > resumed_from and s in b else " " * 14
         mark = "" if a[s] == b.get(s) and killed_losses.get(s, a[s]) == a[s] else "  DIFFERENT"
-        if s == resumed_from + 1:
+        if s == resumed_from + 1 and resumed_from:
             mark += f"  <- re-run resumes here, from the checkpoint of step {resumed_from}"
+        elif s == resumed_from + 1:  # killed before its first checkpoint
+            mark += "  <- re-run starts here, from the beginning: no checkpoint was taken"
         if s == max(killed_losses, default=0):
             mark += "  <- SIGKILL"
         print(f"{s:>5}  {a[s]:>14.8f}  {first}  {again}{mark}")

@@ -202,3 +202,16 @@ def test_the_demo_refuses_arguments_that_would_break_it_or_delete_files(tmp_path
     r = spawn_ranks.run_python([*demo, "--out", str(tmp_path)])
     assert r.returncode == 2 and "holds other files (mine.txt)" in r.stderr, r.stderr
     assert (tmp_path / "mine.txt").exists()
+
+
+@pytest.mark.slow
+def test_the_demo_killed_before_its_first_checkpoint_says_it_starts_over(tmp_path):
+    """``--kill-at`` before the first checkpoint said "last checkpoint taken: step 0" and marked
+    the re-run's first step "resumes here, from the checkpoint of step 0": there was none. (A
+    0.2 s step: the kill lands before step 10 unless this process stalls for 1.8 s.)"""
+    argv = [sys.executable, str(EXAMPLES / "demo_resume.py"), "--steps", "12", "--every", "10"]
+    out = run([*argv, "--kill-at", "1", "--delay", "0.2"], tmp_path)
+    assert "no checkpoint taken yet (the first was due at step 10)" in out, out[-3000:]
+    assert "re-run starts here, from the beginning: no checkpoint was taken" in out, out[-3000:]
+    assert "step 0" not in out.replace("at step 0 (fresh)", ""), out[-3000:]
+    assert "per-step losses identical: True; final weights bit-for-bit identical: True" in out
