@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up what the demo needs (the core: torch and four small packages), then run it: a training
+# Set up what the demo needs (the core: torch and five small packages), then run it: a training
 # run is killed with SIGKILL partway, re-run, and shown to continue exactly where it stopped.
 # Everything it writes goes to ./demo_output/ (under the current directory).
 set -euo pipefail
