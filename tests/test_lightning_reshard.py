@@ -2,7 +2,8 @@
 of an epoch and at an epoch's end: every epoch trains every sample once, and the run ends at
 the step count of its shardings (found by a probe: Lightning kept the length of the rest of
 the resumed epoch as every later epoch's, and stopped the resumed epoch early, silently
-training fewer batches). The script: tests/lightning_reshard_train.py."""
+training fewer batches); and what a resume on fewer ranks says of the ranks gone's ``"data"``
+part. The script: tests/lightning_reshard_train.py."""
 
 from __future__ import annotations
 
@@ -17,10 +18,8 @@ import pytest
 SCRIPT = Path(__file__).with_name("lightning_reshard_train.py")
 ROOT = Path(__file__).resolve().parents[1]
 
-pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
-
-def _run(tmp: Path, devices: int, max_steps: int, name: str) -> list[dict]:
+def _run(tmp: Path, devices: int, max_steps: int, name: str) -> tuple[list[dict], str]:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
@@ -30,7 +29,7 @@ def _run(tmp: Path, devices: int, max_steps: int, name: str) -> list[dict]:
         [*argv, str(tmp / name)], capture_output=True, text=True, timeout=500, env=env, cwd=tmp
     )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [json.loads((tmp / f"{name}.rank{r}").read_text()) for r in range(devices)]
+    return [json.loads((tmp / f"{name}.rank{r}").read_text()) for r in range(devices)], p.stderr
 
 
 def _per_epoch(records: list[dict]) -> dict[int, list[int]]:
@@ -41,6 +40,8 @@ def _per_epoch(records: list[dict]) -> dict[int, list[int]]:
     return out
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "plan, steps, batches",
     [
@@ -55,8 +56,52 @@ def _per_epoch(records: list[dict]) -> dict[int, list[int]]:
 def test_every_epoch_trains_every_sample_once_across_rank_changes(tmp_path, plan, steps, batches):
     records: list[dict] = []
     for i, (devices, max_steps) in enumerate(plan):
-        records += (last := _run(tmp_path, devices, max_steps, f"run{i}"))
+        last, err = _run(tmp_path, devices, max_steps, f"run{i}")
+        records += last
+        if i and devices < plan[i - 1][0]:
+            # rank 1's "data" part (its loader position, its callbacks' states) was said to be
+            # dropped, nothing in its place, though the loader resumed from rank 0's position:
+            # only the RNG streams of rank 1 are lost
+            assert "the RNG states of rank 1 are not loaded" in err, err[-3000:]
+            assert "in 'data'" not in err, err[-3000:]
     for epoch, ids in sorted(_per_epoch(records).items()):
         assert sorted(ids) == list(range(120)), (epoch, len(ids), len(set(ids)))
     assert {r["global_step"] for r in last} == {steps}
     assert {r["batches"] for r in last} == {batches}  # the last epoch's length, not the rest's
+
+
+def _said_of_data(loaders: list) -> tuple[list[str], list[str]]:
+    """What a restore on 1 rank of a 2-rank checkpoint says of the Lightning ``"data"`` part
+    whose train dataloaders saved ``loaders`` (rank 0's), a callback state with them."""
+    from resilient_callbacks.lightning.state import DataReceiver
+    from resilient_callbacks.state_marks import gone_state
+
+    data = DataReceiver()
+    data.load_state_dict({"loaders": loaders, "callbacks": {"EarlyStopping": {"wait_count": 1}}})
+    how, note = data.stand_in_for_gone_ranks()
+    return gone_state(1, 2, {"data": how}, False, {"data": note})
+
+
+def test_the_data_part_of_the_ranks_gone_is_dropped_only_for_loaders_not_resharded():
+    """The ranks gone's ``"data"`` (loader positions, callback states) was said to be dropped
+    with nothing in its place, and to mark it PerRank(new_ranks='rank0'), which a Lightning user
+    cannot: a ResumableDataLoader (what a plain DataLoader is made) resumes from rank 0's
+    position re-sharded, at INFO; a loader of another kind loses the ranks gone's positions, a
+    warning naming it and what that does to the epoch."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from resilient_callbacks import ResumableDataLoader
+
+    resumable = ResumableDataLoader(range(12), 2, num_replicas=2, rank=0, seed=0)
+    next(iter(resumable))
+    stateful = StatefulDataLoader(range(12), batch_size=2)
+    next(iter(stateful))
+    warns, infos = _said_of_data([resumable.state_dict()])
+    assert warns == [] and len(infos) == 1, (warns, infos)
+    assert "of rank 1 in 'data' is not loaded: the train dataloaders are ResumableData" in infos[0]
+    assert "sharded over this run's ranks" in infos[0] and "rank 0's states" in infos[0]
+    warns, infos = _said_of_data([resumable.state_dict(), stateful.state_dict()])
+    assert infos == [] and len(warns) == 1, (warns, infos)
+    assert "train dataloader(s) #1 is each rank's own" in warns[0], warns
+    assert "samples may be trained twice or not at all" in warns[0], warns
+    assert "new_ranks" not in warns[0], warns

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -341,6 +341,17 @@ class ResumableDataLoader(DataLoader):
         if self.generator is not None:
             state["generator"] = self.generator.get_state()
         return state
+
+    @staticmethod
+    def is_state(state: Any) -> bool:
+        """Whether ``state`` is one :meth:`state_dict` returned (as a checkpoint gives it back):
+        a position every rank holds alike, which a run on any number of ranks resumes from."""
+        sampler = state.get("sampler") if isinstance(state, Mapping) else None
+        return (
+            isinstance(sampler, Mapping)
+            and {"batches_consumed", "batch_size"} <= state.keys()
+            and {"order", "position", "num_replicas"} <= sampler.keys()
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load a saved position. A state saved on another number of ranks or with another

@@ -176,9 +176,9 @@ class CandidateLoader:
         for w in warns:
             warn_and_log(log, w, UserWarning, stacklevel=AT_CALLER)
         fewer = manifest.world_size > ck.world_size
-        parts = _stand_ins(state, {p for g in gathered for p in g[2]}) if fewer else {}
+        parts, notes = _stand_ins(state, {p for g in gathered for p in g[2]} if fewer else set())
         rngs = any(g[1] for g in gathered)
-        gone, taken = state_marks.gone_state(ck.world_size, manifest.world_size, parts, rngs)
+        gone, taken = state_marks.gone_state(ck.world_size, manifest.world_size, parts, rngs, notes)
         once += gone
         for said in taken if ck.is_coordinator else []:  # (nothing lost: no warning)
             log.info("%s", said)
@@ -255,20 +255,24 @@ def _recorded(manifest: Manifest) -> RetentionPolicy | None:
         return None
 
 
-def _stand_ins(state: Any, ids: set[str]) -> dict[str, str]:
+def _stand_ins(state: Any, ids: set[str]) -> tuple[dict[str, str], dict[str, str]]:
     """For :func:`.state_marks.gone_state`: each of the checkpoint's ``PerRank`` part ids
-    ``ids`` with what stands in here for the state of ranks this run has not."""
+    ``ids`` with what stands in here for the state of ranks this run has not; and the
+    sentences of the parts that say it themselves (``stand_in_for_gone_ranks``)."""
     from .data import ResumableDataLoader  # (torch.utils.data: only where restored)
 
     live = statetree.per_rank_parts(state)
-    out = {}
+    out, notes = {}, {}
     for pid in ids:
         p = live.get(pid)
         leaves = [v for _, v in statetree.leaves(p.obj)] if p is not None else []
-        if p is not None and p.new_ranks == "rank0":
+        own = getattr(p.obj, "stand_in_for_gone_ranks", None) if p is not None else None
+        if callable(own):
+            out[pid], notes[pid] = own()
+        elif p is not None and p.new_ranks == "rank0":
             out[pid] = state_marks.RANK0
         elif leaves and all(isinstance(v, ResumableDataLoader) for v in leaves):
             out[pid] = state_marks.LOADER
         else:
             out[pid] = state_marks.DROPPED
-    return out
+    return out, notes

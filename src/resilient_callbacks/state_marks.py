@@ -7,6 +7,7 @@ the ranks gone (``gone_state``, said by rank 0 once every rank restored). Moved 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -18,7 +19,13 @@ class PerRank:
     ``new_ranks``: what a rank the checkpoint has no files of (a resume on more ranks) loads:
     ``"refuse"`` (default: the resume is refused, nothing loaded) or ``"rank0"`` (rank 0's
     state, for an object that works out its own share from it, such as a sharded
-    :class:`~resilient_callbacks.ResumableDataLoader`; a one-rank checkpoint acts so always)."""
+    :class:`~resilient_callbacks.ResumableDataLoader`; a one-rank checkpoint acts so always).
+
+    A restore on fewer ranks than the save says what of the ranks gone is not loaded
+    (:func:`gone_state`). An object that knows better than its type what stands in for their
+    state (an adapter's restore target, which learns what it holds only as it loads) defines
+    ``stand_in_for_gone_ranks() -> (how, what)``: ``how`` one of :data:`RANK0`,
+    :data:`LOADER` or :data:`DROPPED`, ``what`` the sentence that says it, asked once loaded."""
 
     def __init__(self, obj: Any, *, new_ranks: str = "refuse") -> None:
         if new_ranks not in ("refuse", "rank0"):
@@ -57,7 +64,11 @@ RANK0, LOADER, DROPPED = "rank0", "loader", "dropped"
 
 
 def gone_state(
-    world_size: int, saved_world_size: int, parts: dict[str, str], rng: bool
+    world_size: int,
+    saved_world_size: int,
+    parts: dict[str, str],
+    rng: bool,
+    notes: Mapping[str, str] | None = None,
 ) -> tuple[list[str], list[str]]:
     """What rank 0 of a restore on fewer ranks than the save says is not loaded of the ranks
     gone: ``(warnings, infos)``. ``parts``: the checkpoint's ``PerRank`` part ids, each with
@@ -65,14 +76,23 @@ def gone_state(
     ``new_ranks="rank0"``: the object takes rank 0's), :data:`LOADER` (a
     :class:`~resilient_callbacks.ResumableDataLoader`, whose position is the same on every
     rank and is re-sharded from rank 0's) or :data:`DROPPED` (nothing: a warning). ``rng``:
-    the checkpoint holds RNG states and they are restored (a warning: streams cannot go on)."""
+    the checkpoint holds RNG states and they are restored (a warning: streams cannot go on).
+    ``notes``: a part's own sentence (``stand_in_for_gone_ranks``), said in place of the
+    general one."""
     if saved_world_size <= world_size:
         return [], []
     gone = gone_ranks(world_size, saved_world_size)
     said = f"the checkpoint was written by {saved_world_size} ranks, this run has {world_size}: "
-    dropped = [p for p, how in sorted(parts.items()) if how == DROPPED]
-    stood_in = [p for p, how in sorted(parts.items()) if how != DROPPED]
-    warnings, infos = [], []
+    notes = notes or {}
+    dropped = [p for p, how in sorted(parts.items()) if how == DROPPED and p not in notes]
+    stood_in = [p for p, how in sorted(parts.items()) if how != DROPPED and p not in notes]
+    warnings: list[str] = []
+    infos: list[str] = []
+    for p, note in sorted(notes.items()):
+        lost = parts.get(p) == DROPPED
+        (warnings if lost else infos).append(
+            said + f"the PerRank state of {gone} in {p!r} is not loaded: {note}"
+        )
     if dropped:
         warnings.append(
             said + f"the PerRank state of {gone} in {_ids(dropped)} is not loaded and nothing "

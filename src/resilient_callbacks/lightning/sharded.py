@@ -108,7 +108,7 @@ def receivers(trainer: pl.Trainer) -> dict[str, Any]:
     return {
         "lightning": st.Receiver(),
         key: part,
-        "data": PerRank(st.Receiver()),
+        "data": PerRank(st.DataReceiver()),
     }
 
 

@@ -32,8 +32,9 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..data import ResumableDataLoader
 from ..inplace import as_live_keys
-from ..state_marks import PerRank
+from ..state_marks import DROPPED, RANK0, PerRank
 from ..wrapped import with_metadata
 from .conversion import Converter, HparamsConversionWarning  # noqa: F401 (re-exported)
 from .rank_callbacks import STOP_RNG_KEY, put_back, saved
@@ -264,12 +265,49 @@ class Receiver:
         self.value = sd
 
 
+class DataReceiver(Receiver):
+    """The ``"data"`` restore target (:class:`LoaderStates`); on fewer ranks than the save, it
+    says what takes the place of the ranks gone's entries (their train dataloaders' positions,
+    their callbacks' states), once it holds this rank's (``stand_in_for_gone_ranks``)."""
+
+    def stand_in_for_gone_ranks(self) -> tuple[str, str]:
+        held = self.value if isinstance(self.value, Mapping) else {}
+        loaders = list(held.get("loaders") or [])
+        other = [i for i, s in enumerate(loaders) if not ResumableDataLoader.is_state(s)]
+        callbacks = (
+            "; every rank's callbacks (EarlyStopping, ModelCheckpoint, ...) resume with rank "
+            "0's states"
+            if held.get("callbacks")
+            else ""
+        )
+        if not other:
+            said = (
+                "no train dataloader saved a position"
+                if not loaders
+                else "the train dataloaders are ResumableDataLoaders (a plain DataLoader is "
+                "made one), whose position is the same on every rank: rank 0's is loaded, and "
+                "the rest of the epoch is sharded over this run's ranks, each sample once"
+            )
+            return RANK0, said + callbacks + ". Nothing to do."
+        which = ", ".join(f"#{i}" for i in other)
+        return DROPPED, (
+            f"the position of train dataloader(s) {which} is each rank's own and cannot be "
+            "sharded anew (not a ResumableDataLoader: a StatefulDataLoader, a loader of your "
+            "own), so the ranks gone's positions in them are dropped and this run's ranks "
+            "resume them from their own: until the epoch ends they do not hand out the rest "
+            "the saving ranks had left (samples may be trained twice or not at all); later "
+            "epochs are whole" + callbacks + ". To keep the data order, resume on the number "
+            "of ranks that saved, or pass a plain DataLoader (made resumable) or a "
+            "ResumableDataLoader"
+        )
+
+
 def receivers() -> dict[str, Any]:
     return {
         "lightning": Receiver(),
         "state_dict": Receiver(),
         "optimizer_states": Receiver(),
-        "data": PerRank(Receiver()),
+        "data": PerRank(DataReceiver()),
     }
 
 
