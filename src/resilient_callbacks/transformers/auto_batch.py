@@ -124,17 +124,19 @@ def check_ahead(trainer: Any, ckpt: Any, signature: Mapping[str, Any]) -> None:
     by rank 0 (its structure file only, verified)."""
     if not getattr(trainer.args, "auto_find_batch_size", False) or not installed(trainer):
         return
-    seen = dist.broadcast_json(_newest_values(ckpt) if ckpt.is_coordinator else None)
+    seen = dist.broadcast_json(
+        newest_values(ckpt.dirpath, ckpt.config.resume) if ckpt.is_coordinator else None
+    )
     if seen is not None:
         check(trainer, seen[1], signature, seen[0])
 
 
-def _newest_values(ckpt: Any) -> tuple[int, Any] | None:
-    """(step, the Trainer values) of the checkpoint the restore loads first, when it is a valid
-    local one (the newest, the step ``resume`` names, or the checkpoint path it names:
-    ``reader.select``, sizes checked); None where that cannot be told cheaply (a remote copy)."""
-    resume = ckpt.config.resume
-    where, step = ckpt.dirpath, None
+def newest_values(dirpath: str, resume: Any) -> tuple[int, Any] | None:
+    """(step, the Trainer values) of the checkpoint a restore of ``dirpath`` with ``resume``
+    loads first, when it is a valid local one (the newest, the step ``resume`` names, or the
+    checkpoint path it names: ``reader.select``, sizes checked); None where that cannot be told
+    cheaply (a remote copy, none there)."""
+    where, step = dirpath, None
     if isinstance(resume, int):
         step = resume
     elif str(resume) == "never":
@@ -146,5 +148,5 @@ def _newest_values(ckpt: Any) -> tuple[int, Any] | None:
         shared = layout.read_json(sel.path, sel.manifest, layout.SHARED_STRUCTURE)
         return int(sel.manifest.step), shared["structure"]["trainer"]
     except Exception as e:  # (the restore reads it again, and says what is wrong)
-        log.debug("auto_find_batch_size: could not read ahead: %s", e)
+        log.debug("could not read ahead: %s", e)
         return None

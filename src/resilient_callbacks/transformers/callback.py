@@ -54,6 +54,7 @@ from . import (
     progress,
     resumed,
     trainer_state,
+    trials,
     under_deepspeed,
 )
 from .data import ResumableBatches, encode_cpu_rng, make_resumable
@@ -256,8 +257,10 @@ class ResilientCheckpoint(TrainerCallback):
         self.save_on_evaluate = checks.save_on_evaluate(self._save_on_evaluate, options)
         checks.warn_about_trainer_saves(args, self.trainer_checkpoints)
         checks.warn_about_monitor(options, args)
-        self._home = checks.checkpoint_dir(own_dir, args)  # the first training's; phases.py
-        dirpath, options = phases.place(self._home, trainer, options)
+        trial = trials.trial(trainer)  # (a hyperparameter search's: a directory of its own)
+        self._home, options = trials.place(checks.checkpoint_dir(own_dir, args), options, trial)
+        dirpath, options = phases.place(self._home, trainer, options)  # (the first training's)
+        self._saved.trial = trial
 
         self._loader = loader
         self._batches = make_resumable(loader.batch_sampler)
@@ -305,6 +308,7 @@ class ResilientCheckpoint(TrainerCallback):
                 auto_batch.check_ahead(trainer, ckpt, self._saved.signature)
                 step = ckpt.restore(self._saved.tree)
                 if step:
+                    trials.check_restored(self._saved.values.get("trial"), trial, step)
                     auto_batch.check(trainer, self._saved.values, self._saved.signature, step)
                     resumed.apply(self, trainer, state, step)
             hooks.wrap(trainer, "_run_epoch", self._run_epoch)

@@ -84,11 +84,6 @@ def check_setup(trainer: Any, state: Any, loader: Any) -> None:
             f"({', '.join(sorted(str(c.dirpath) for c in mine.values()))}): each would restore "
             "and save the same training; keep one. Nothing was trained or saved."
         )
-    if state.is_hyper_param_search or getattr(trainer, "_trial", None) is not None:
-        raise ConfigError(
-            "ResilientCheckpoint does not support hyperparameter search: every trial would "
-            "resume from the same directory."
-        )
     check_train_dataset(getattr(trainer, "train_dataset", None))
     dataset = getattr(loader, "dataset", None)
     check_train_dataset(dataset)

@@ -53,8 +53,9 @@ class SavedState:
 
     def __init__(self, exclude: Any) -> None:
         self.exclude = exclude
-        # "order": checkpoints written before 2026-12-07 lack it (kept live, {}: not checked)
-        self.values: dict[str, Any] = OptionalKeys(optional=("order",))
+        # "order": checkpoints written before 2026-12-07 lack it (kept live, {}: not checked);
+        # "trial" (the hyperparameter search trial, trials.py) too: kept live, None
+        self.values: dict[str, Any] = OptionalKeys(optional=("order", "trial"))
         self.rank_values: dict[str, Any] = {}
         self.tree: dict[str, Any] = {}
         self.epoch_rng = torch.zeros(_RNG_BYTES, dtype=torch.uint8)  # when the order was drawn
@@ -65,6 +66,7 @@ class SavedState:
         self.signature: dict[str, int] = {}  # the data settings a position in an epoch needs
         self.batches: Any = None  # the training data's resumable batch sampler (build())
         self.order: dict[str, Any] = {}  # what draws an epoch's order (data_settings.order)
+        self.trial: dict[str, Any] | None = None  # the search trial of this train() (trials.py)
 
     def build(self, trainer: Any, batches: Any) -> dict[str, Any]:
         """Every rank, at ``train()``'s start (the objects exist): the tree, pointing at the
@@ -111,6 +113,7 @@ class SavedState:
         # a key the checkpoint lacks, "seed" of an unseeded sampler, was warned about as
         # removed); refresh() sets it before every save
         self.values["order"] = {}
+        self.values["trial"] = None  # (likewise: the checkpoint's trial, None if it has none)
         self.tree = tree
         return tree
 
@@ -144,6 +147,7 @@ class SavedState:
                 },
                 "data": dict(self.signature),
                 "order": dict(self.order),
+                "trial": self.trial,
                 # a sampler's own generator, at the epoch's start and now (data.py)
                 "sampler_generator": (
                     self.batches.generator_states() if self.batches is not None else None
