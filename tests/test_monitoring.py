@@ -334,7 +334,7 @@ def test_transformers_logger_telemetry_reaches_the_trainers_log(tmp_path: Path):
     rc = ResilientCheckpoint(tmp_path / "ck", every_n_steps=2, telemetry="logger")
     trainer = hf_train.build_trainer(
         str(tmp_path / "out"), max_steps=4, callbacks=[rc], eval_strategy="no",
-        metric_for_best_model=None,
+        metric_for_best_model=None, gradient_accumulation_steps=1,  # 4 batches, not 12
     )  # fmt: skip
     trainer.train()
     sent = [e["step"] for e in trainer.state.log_history if PREFIX + "step" in e]

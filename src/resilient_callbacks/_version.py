@@ -5,6 +5,10 @@ import re
 
 __version__ = "0.1.0"
 
+#: the torch that ``resilient_callbacks.dcp`` needs (its ImportError below it); here so that a
+#: check of it need not import that subpackage (torch.distributed.checkpoint, DTensor)
+DCP_NEEDS_TORCH = (2, 9)
+
 
 def release(version: str) -> tuple[int, int]:
     """``(major, minor)`` of a version string, also of a pre-release or vendor build

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import torch
 
-from .._version import release
+from .._version import DCP_NEEDS_TORCH, release
 
-NEEDS_TORCH = (2, 9)
+NEEDS_TORCH = DCP_NEEDS_TORCH
 # by release number: a pre-release or vendor build of 2.9 ("2.9.0a0+git...") has what it needs
 if release(torch.__version__) < NEEDS_TORCH:
     raise ImportError(
