@@ -1,7 +1,8 @@
 """Lightning DDP on the CPU for tests/test_lightning_reshard.py: 120 samples, batch 6, a
 shuffled plain DataLoader (made resumable by the callback), 3 epochs; records the sample ids
 each epoch trained in this process. ``python lightning_reshard_train.py CKPT DEVICES MAX_STEPS
-OUT`` (MAX_STEPS -1: to the end); writes ``OUT.rank<R>`` (JSON)."""
+OUT [stateful]`` (MAX_STEPS -1: to the end; ``stateful``: torchdata's ``StatefulDataLoader``
+instead, which the callback leaves as it is); writes ``OUT.rank<R>`` (JSON)."""
 
 from __future__ import annotations
 
@@ -32,11 +33,15 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-2)
 
 
-def main(ckpt: str, devices: int, max_steps: int, out: str) -> None:
+def main(ckpt: str, devices: int, max_steps: int, out: str, stateful: bool = False) -> None:
     L.seed_everything(0)
     x = torch.randn(120, 8)
     data = TensorDataset(x, x.sum(1, keepdim=True), torch.arange(120))
     loader = DataLoader(data, batch_size=6, shuffle=True)
+    if stateful:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        loader = StatefulDataLoader(data, batch_size=6, shuffle=True)
     model = Net()
     trainer = L.Trainer(
         accelerator="cpu",
@@ -61,4 +66,4 @@ def main(ckpt: str, devices: int, max_steps: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], "stateful" in sys.argv[5:])
