@@ -142,3 +142,35 @@ class _Restored(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         self.into.append(self.cb.restored_step)
+
+
+class _RaiseAt(TrainerCallback):
+    """Raises once, at the end of step ``step`` (a trial that fails, in a notebook)."""
+
+    def __init__(self, step: int) -> None:
+        self.step: int | None = step
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        if state.global_step == self.step:
+            self.step = None
+            raise RuntimeError("trial failed")
+
+
+@pytest.mark.slow  # four trainings
+def test_a_trial_trained_again_in_the_same_process_reads_its_own_directory_ahead(
+    tmp_path, as_optuna
+):
+    """A second search in the same process (a notebook) trains trial 0 again: its checkpoints
+    go to run-0/train-2 (phases.py). There it raised at step 1 and is called again with the
+    same hyperparameters: it resumes from run-0/train-2. The check of the trial read run-0
+    (the first search's trial 0, other hyperparameters) and started it at step 0."""
+    cb = ResilientCheckpoint(every_n_steps=1)
+    trainer = as_optuna(_trainer(tmp_path / "out", cb))
+    _trial(trainer, 0, 1e-3)
+    trainer.add_callback(_RaiseAt(2))  # (before the save of step 2)
+    with pytest.raises(RuntimeError, match="trial failed"):
+        _trial(trainer, 0, 3e-3)
+    run_0 = tmp_path / "out" / "_resilient_checkpoints" / "run-0"
+    assert _steps(run_0) == [1, 2] and _steps(run_0 / "train-2") == [1]
+    assert _trial(trainer, 0, 3e-3) == 1
+    assert _steps(run_0 / "train-2") == [1, 2]

@@ -260,6 +260,7 @@ class ResilientCheckpoint(TrainerCallback):
         trial = trials.trial(trainer)  # (a hyperparameter search's: a directory of its own)
         self._home, options = trials.place(checks.checkpoint_dir(own_dir, args), options, trial)
         dirpath, options = phases.place(self._home, trainer, options)  # (the first training's)
+        options = trials.fresh_if_another(dirpath, options, trial)
         self._saved.trial = trial
 
         self._loader = loader

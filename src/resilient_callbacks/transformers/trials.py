@@ -54,36 +54,43 @@ def trial(trainer: Any) -> dict[str, Any] | None:
 def place(
     dirpath: str, options: dict[str, Any], this: dict[str, Any] | None
 ) -> tuple[str, dict[str, Any]]:
-    """Where trial ``this`` saves: ``dirpath/<name>`` (and ``remote``'s); with ``resume="never"``
-    where the newest checkpoint there is another trial's (read by rank 0, every rank told)."""
+    """Where trial ``this`` saves: ``dirpath/<name>`` (and ``remote``'s)."""
     if this is None:
         return dirpath, options
     name = this["name"]
     dirpath, options = os.path.join(dirpath, name), dict(options)
     if options.get("remote"):
         options["remote"] = f"{str(options['remote']).rstrip('/')}/{name}"
+    return dirpath, options
+
+
+def fresh_if_another(
+    dirpath: str, options: dict[str, Any], this: dict[str, Any] | None
+) -> dict[str, Any]:
+    """``options`` with ``resume="never"`` where the newest checkpoint in ``dirpath`` (read by
+    rank 0, every rank told) is of another trial than ``this``, or of none."""
     resume = options.get("resume", "auto")
-    if str(resume) != "auto":
-        return dirpath, options
+    if this is None or str(resume) != "auto":
+        return options
     seen = newest_values(dirpath, resume) if dist.rank() == 0 else None
     seen = dist.broadcast_json(seen) if dist.world_size() > 1 else seen
     if seen is None:
-        return dirpath, options
+        return options
     step, values = seen
     saved = values.get("trial") if isinstance(values, dict) else None
-    if saved != this:
-        options["resume"] = "never"
-        log.warning(
-            "ResilientCheckpoint: %s holds checkpoints of another trial (the newest, step %d: %s); "
-            "this trial (%s) starts at step 0 and saves there under a new run id (those are "
-            "kept, not counted). A search re-run draws other hyperparameters for its trial "
-            "numbers unless its sampler is seeded.",
-            dirpath,
-            step,
-            _said(saved),
-            _said(this),
-        )
-    return dirpath, options
+    if saved == this:
+        return options
+    log.warning(
+        "ResilientCheckpoint: %s holds checkpoints of another trial (the newest, step %d: %s); "
+        "this trial (%s) starts at step 0 and saves there under a new run id (those are "
+        "kept, not counted). A search re-run draws other hyperparameters for its trial "
+        "numbers unless its sampler is seeded.",
+        dirpath,
+        step,
+        _said(saved),
+        _said(this),
+    )
+    return {**options, "resume": "never"}
 
 
 def check_restored(saved: Any, this: dict[str, Any] | None, step: int) -> None:
