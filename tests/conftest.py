@@ -35,6 +35,7 @@ TRANSFORMERS_FILES = [
     "test_transformers_checks.py",
     "test_transformers_ddp.py",
     "test_transformers_fsdp.py",
+    "test_transformers_hp_search.py",
     "test_transformers_many_trainings.py",
     "test_transformers_new_data.py",
     "test_transformers_phases.py",
