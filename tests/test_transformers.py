@@ -719,7 +719,7 @@ def test_the_trainers_fsdp_on_xla_is_refused(tmp_path):
     trainer = hf_train.build_trainer(str(tmp_path / "out"), 4)
     trainer.is_fsdp_xla_enabled = True
     with pytest.raises(ConfigError, match=r"does not support the Trainer's FSDP on XLA"):
-        check_setup(trainer, trainer.state, trainer.get_train_dataloader())
+        check_setup(trainer, trainer.get_train_dataloader())
 
 
 def test_callbacks_argument_first_run_then_rerun(tmp_path):

@@ -248,7 +248,7 @@ class ResilientCheckpoint(TrainerCallback):
 
     def _begin(self, trainer: Any, args: Any, state: Any, loader: Any) -> None:
         self._finish()  # a previous train() that raised may have left things open
-        checks.check_setup(trainer, state, loader)
+        checks.check_setup(trainer, loader)
         hooks.check_supported(trainer)
         section = under_deepspeed.take_section(trainer, args)
         own_dir, own = under_deepspeed.with_section(self.dirpath, self.options, section)

@@ -56,7 +56,7 @@ def check_train_dataset(dataset: Any) -> None:
     )
 
 
-def check_setup(trainer: Any, state: Any, loader: Any) -> None:
+def check_setup(trainer: Any, loader: Any) -> None:
     """Refuse setups the adapter cannot save or resume exactly (at ``on_train_begin``: nothing
     was iterated, computed or opened yet)."""
     if getattr(trainer, "is_fsdp_xla_enabled", False):
