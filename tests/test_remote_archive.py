@@ -81,3 +81,24 @@ def test_the_archive_point_that_is_due_is_the_remote_retentions():
     assert recorded == remote_best.ARCHIVE
     assert remote_best.why_due(False, 6, policy, lambda: True) == remote_best.BEST
     assert remote_best.why_due(False, 6, policy, lambda: False) is None
+
+
+def test_a_schedule_whose_every_save_is_an_archive_point_warns_that_each_is_uploaded(tmp_path):
+    """keep_every_n_steps dividing every_n_steps makes every save an archive point, uploaded as
+    it is saved whatever remote_every_n_saves says: a run set up to upload every 5th save
+    uploaded (and kept forever remotely) every one, without a word. The writer warns at its
+    construction; a keep_every_n_steps that does not divide the interval does not."""
+    url = (tmp_path / "durable").as_uri()
+    opts = {"remote": url, "remote_every_n_saves": 5, "every_n_steps": 10, "async_save": False}
+    with pytest.warns(UserWarning, match="keep_every_n_steps=10 divides every_n_steps=10") as w:
+        Checkpointer(str(tmp_path / "a"), keep_every_n_steps=10, **opts).close()
+    said = str(w[0].message)
+    assert "remote_every_n_saves=5 uploads nothing less than every save" in said, said
+    assert "make keep_every_n_steps a multiple of 50" in said, said
+    with pytest.warns(UserWarning, match="keep_every_n_steps=5 divides every_n_steps=10"):
+        Checkpointer(str(tmp_path / "b"), keep_every_n_steps=5, **opts).close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (none: every 5th save an archive point, as uploaded)
+        Checkpointer(str(tmp_path / "c"), keep_every_n_steps=50, **opts).close()

@@ -25,13 +25,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import closing, dist, exit_hook, sinks, stall, topology
+from . import closing, dist, exit_hook, remote_best, sinks, stall, topology
 from .adapter import keywords_checked
 from .checkpointer_queries import CheckpointerQueries
 from .config import CheckpointerConfig
 from .directory import Directory
 from .directory_open import open_directory
 from .emergency import Emergency
+from .errors import AT_CALLER, warn_and_log
 from .inplace import Advice
 from .node_restore import NodeRestorer
 from .persisting import SaveStats, check_next_save_fits
@@ -198,6 +199,8 @@ class Checkpointer(CheckpointerQueries):
         self.world_size = dist.world_size()
         self.is_coordinator = self.rank == 0
         dist.warn_if_restarts_share_a_store()
+        if said := remote_best.every_save_uploaded(self.config):  # (rank 0 warns, as above)
+            warn_and_log(log, said, stacklevel=AT_CALLER, warn=self.is_coordinator)
         self.last_saved_step: int | None = None
         self.last_save: SaveStats | None = None
         self.restored_from: str | None = None

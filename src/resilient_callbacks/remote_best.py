@@ -30,10 +30,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from . import catalog
 from .catalog import Depth, Entry
 from .retention import RetentionPolicy, best_names, kept_as_archive
+
+if TYPE_CHECKING:
+    from .config import CheckpointerConfig
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -71,6 +75,26 @@ def kept(
     if kept_as_archive(step, archived, policy):
         return ARCHIVE
     return BEST if ranks_best() else None
+
+
+def every_save_uploaded(config: CheckpointerConfig) -> str | None:
+    """The warning a writer of ``config`` gives where every save of its ``every_n_steps``
+    schedule is an archive point (``keep_every_n_steps`` divides ``every_n_steps``), so
+    :func:`why_due` uploads each and ``remote_every_n_saves`` uploads nothing less (a run set
+    up to upload every Nth save uploads every one, kept forever remotely); None otherwise."""
+    k, n, e = config.remote_every_n_saves, config.keep_every_n_steps, config.every_n_steps
+    if config.read_only or not k or k == 1 or not n or not e or e % n:
+        return None
+    if config.every_seconds is not None or config.adaptive:  # (saves at other steps too)
+        return None
+    return (
+        f"keep_every_n_steps={n} divides every_n_steps={e}: every save is an archive point, "
+        f"which the remote retention keeps forever, and is uploaded as it is saved, so "
+        f"remote_every_n_saves={k} uploads nothing less than every save (until 2026-12-07 "
+        f"every {k}th alone). To upload about every {k}th save, make keep_every_n_steps a "
+        f"multiple of {e * k} (every_n_steps x remote_every_n_saves); to upload and keep every "
+        "save, drop remote_every_n_saves"
+    )
 
 
 def best(entries: Iterable[Entry], policy: RetentionPolicy, run_id: str | None) -> set[str]:
