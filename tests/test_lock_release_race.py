@@ -163,8 +163,15 @@ def test_a_writer_waiting_for_a_command_takes_the_lock_it_releases(tmp_path, mon
     gc.acquire()
     real_sleep = lockmod.time.sleep
     pauses: list[float] = []
+    # (time.sleep is patched for the whole process: another test's thread still running that
+    # sleeps meanwhile is not the writer; and the file's blank moment is waited for however
+    # long this loaded machine stalls between the writer's two looks, not 2 s of it)
+    writer_thread = threading.current_thread()
+    monkeypatch.setattr(lockmod, "_BLANK_S", WAIT_S, raising=False)
 
     def sleep(s: float) -> None:
+        if threading.current_thread() is not writer_thread:
+            return real_sleep(s)
         pauses.append(s)
         if len(pauses) == 1:
             assert gc._fd is not None
