@@ -174,3 +174,30 @@ def test_a_trial_trained_again_in_the_same_process_reads_its_own_directory_ahead
     assert _steps(run_0) == [1, 2] and _steps(run_0 / "train-2") == [1]
     assert _trial(trainer, 0, 3e-3) == 1
     assert _steps(run_0 / "train-2") == [1, 2]
+
+
+@pytest.mark.slow  # three trainings
+def test_a_search_run_again_on_a_new_node_reads_the_trials_remote_store_ahead(
+    tmp_path, as_optuna, caplog
+):
+    """With ``remote=``, a search run again where the local disk is gone (a new node) and its
+    trial 0 drew other hyperparameters: the check read the empty local directory alone, the
+    restore then loaded the earlier trial 0 from the store and refused it (a
+    CheckpointMismatchError saying to remove it from dirpath, where it is not): the search
+    stopped, where with the local disk it went on. The trial's store is read ahead as well:
+    it starts at step 0 with the warning, the other trial's checkpoints kept; the same
+    hyperparameters resume from the store."""
+    import shutil
+
+    out, store = tmp_path / "out", tmp_path / "durable"
+    opts = {"every_n_steps": 1, "keep_last": 1, "remote": store.as_uri()}
+    _trial(as_optuna(_trainer(out, ResilientCheckpoint(**opts))), 0, 1e-3)
+    shutil.rmtree(out)  # a new node
+    again = as_optuna(_trainer(out, ResilientCheckpoint(**opts)))
+    caplog.set_level(logging.WARNING, logger="resilient_callbacks")
+    assert _trial(again, 0, 5e-3) is None
+    said = caplog.text
+    assert f"{store.as_uri()}/run-0 holds checkpoints of another trial" in said, said
+    assert len(list((store / "run-0").glob("step_*/manifest.json"))) == 2  # (2 runs' newest)
+    shutil.rmtree(out)
+    assert _trial(as_optuna(_trainer(out, ResilientCheckpoint(**opts))), 0, 5e-3) == 2

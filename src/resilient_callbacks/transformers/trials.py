@@ -68,12 +68,19 @@ def fresh_if_another(
     dirpath: str, options: dict[str, Any], this: dict[str, Any] | None
 ) -> dict[str, Any]:
     """``options`` with ``resume="never"`` where the newest checkpoint in ``dirpath`` (read by
-    rank 0, every rank told) is of another trial than ``this``, or of none."""
+    rank 0, every rank told) is of another trial than ``this``, or of none; where ``dirpath``
+    holds none, the newest in ``remote`` (:func:`_remote_values`)."""
     resume = options.get("resume", "auto")
     if this is None or str(resume) != "auto":
         return options
-    seen = newest_values(dirpath, resume) if dist.rank() == 0 else None
-    seen = dist.broadcast_json(seen) if dist.world_size() > 1 else seen
+    found: Any = None
+    if dist.rank() == 0:
+        found = [dirpath, newest_values(dirpath, resume)]
+        if found[1] is None and options.get("remote"):  # (a new node: what the restore loads)
+            found = [str(options["remote"]), _remote_values(options)]
+    if dist.world_size() > 1:
+        found = dist.broadcast_json(found)
+    where, seen = found
     if seen is None:
         return options
     step, values = seen
@@ -85,12 +92,38 @@ def fresh_if_another(
         "this trial (%s) starts at step 0 and saves there under a new run id (those are "
         "kept, not counted). A search re-run draws other hyperparameters for its trial "
         "numbers unless its sampler is seeded.",
-        dirpath,
+        where,
         step,
         _said(saved),
         _said(this),
     )
     return {**options, "resume": "never"}
+
+
+def _remote_values(options: dict[str, Any]) -> tuple[int, Any] | None:
+    """(step, the Trainer values) of the newest checkpoint committed in the trial's ``remote``
+    store: what a restore of a ``dirpath`` that holds none loads first (a search run again on
+    a new node). Without it the restore loaded another trial's checkpoint there and
+    :func:`check_restored` refused it: the search stopped where the same search with the local
+    disk went on. None where none, or it cannot be read (the restore reads it again)."""
+    try:
+        from ..layout import SHARED_STRUCTURE
+        from ..remote import RemoteStore
+
+        url = str(options["remote"])
+        if "://" not in url:  # (as the Checkpointer takes a path: config_remote)
+            url = "file://" + os.path.abspath(os.path.expanduser(url))
+        store = RemoteStore(url, options.get("remote_options") or {})
+        committed = [e for e in store.scan() if e.manifest is not None and e.problem is None]
+        if not committed:
+            return None
+        newest = max(committed, key=lambda e: e.manifest.seq if e.manifest else 0)
+        assert newest.manifest is not None
+        raw = store.fs.cat_file(store._path(newest.name, SHARED_STRUCTURE))
+        return newest.manifest.step, json.loads(raw)["structure"]["trainer"]
+    except Exception as e:  # (the restore reads it again, and says what is wrong)
+        log.debug("could not read ahead in the remote store: %s", e)
+        return None
 
 
 def check_restored(saved: Any, this: dict[str, Any] | None, step: int) -> None:
