@@ -118,6 +118,7 @@ class Directory:
         self._retention_lock = threading.Lock()
         self.trash = TrashBin()  # deletes what retention removed, off the persist path
         self.manifests = catalog.ManifestCache()  # retention's, parsed once each
+        self.ranked = remote_best.Ranked(self.manifests)  # (is_best's, kept between commits)
         self.said = Repeats()  # retention's failures, each said once (not after every save)
         self._reported_foreign = False
         self.checked_foreign = False
@@ -272,7 +273,7 @@ class Directory:
         that ``policy`` (the remote retention) keeps: uploaded though ``remote_every_n_saves``
         skips it (:mod:`.remote_best`)."""
         with self._retention_lock:  # (the manifests the retention passes parse, and delete)
-            return remote_best.is_best(self.dirpath, name, policy, self.run_id, self.manifests)
+            return remote_best.is_best(self.dirpath, name, policy, self.run_id, self.ranked)
 
     def committed(self, seq: int) -> None:
         """Every rank, once the checkpoint of commit number ``seq`` is committed (before the

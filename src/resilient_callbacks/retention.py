@@ -22,7 +22,7 @@ Which ranks call what: only the coordinator plans and deletes.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -197,22 +197,31 @@ def kept_as_archive(step: int, archived: bool, policy: RetentionPolicy) -> str |
 
 
 def best_names(
-    candidates: Iterable[Candidate], policy: RetentionPolicy, run_id: str | None
+    candidates: Iterable[Candidate],
+    policy: RetentionPolicy,
+    run_id: str | None,
+    valid: Callable[[Candidate], bool] | None = None,
 ) -> set[str]:
     """The names :func:`plan` keeps as the ``keep_best`` best by ``monitor`` (none without
     ``keep_best``): with ``remote_every_n_saves``, what is uploaded whatever the interval
-    (:mod:`.remote_best`)."""
+    (:mod:`.remote_best`). ``valid``: asked, best first, of each candidate marked valid until
+    ``keep_best`` pass it (those ranked below are never asked: a commit checks the files of
+    a few checkpoints, not of every one the directory keeps)."""
     cands = list(candidates)
     off = branches.off_lineage((c.run_id, c.seq, c.lineage) for c in cands)
     mine = [c for c in cands if (run_id is None or c.run_id == run_id) and c.valid]
-    return {c.name for c in _best(mine, policy, off)}
+    return {c.name for c in _best(mine, policy, off, valid)}
 
 
 def _best(
-    mine: list[Candidate], policy: RetentionPolicy, off: set[tuple[str, int]]
+    mine: list[Candidate],
+    policy: RetentionPolicy,
+    off: set[tuple[str, int]],
+    valid: Callable[[Candidate], bool] | None = None,
 ) -> list[Candidate]:
     """Of the run's valid checkpoints ``mine``, the ``keep_best`` best by ``monitor``, best
-    first; ``off``: those of a branch a roll-back abandoned."""
+    first; ``off``: those of a branch a roll-back abandoned; ``valid``: a further test, asked
+    in rank order until ``keep_best`` pass it (the same as filtering ``mine`` by it first)."""
     if not (policy.keep_best and policy.monitor):
         return []
     key: str = policy.monitor
@@ -227,7 +236,15 @@ def _best(
     scored.sort(
         key=lambda c: ((c.run_id, c.seq) in off, sign * float(c.metrics[key] or 0.0), c.seq)
     )
-    return scored[: policy.keep_best]
+    if valid is None:
+        return scored[: policy.keep_best]
+    found: list[Candidate] = []
+    for c in scored:
+        if len(found) == policy.keep_best:
+            break
+        if valid(c):
+            found.append(c)
+    return found
 
 
 def _roll_back_heads(cands: list[Candidate], kept_abandoned: set[str]) -> dict[str, str]:
