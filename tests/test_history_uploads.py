@@ -33,3 +33,29 @@ def test_uploads_gives_each_names_newest_upload_and_commit_time(tmp_path):
     }
     assert set(history.uploads(str(tmp_path), "other")) == {"d"}
     assert history.uploads(str(tmp_path / "nowhere"), "r") == {}
+
+
+def test_uploads_gives_each_names_commit_numbers_a_node_local_restart_reads(tmp_path):
+    """A node-local coordinator records the commit number of each remote commit (``seq``); a
+    restart uploads none of those again (node_recovery.committed_seqs, which reads them here):
+    a name committed twice (a later checkpoint under a deleted one's name) gives both."""
+    from types import SimpleNamespace
+
+    from resilient_callbacks import node_recovery
+
+    _write(
+        tmp_path,
+        {"time": 100.0, "run_id": "r", "name": "step_2", "seq": 1},
+        {"time": 110.0, "run_id": "r", "name": "step_4", "seq": 2},
+        {"time": 120.0, "run_id": "r", "name": "step_2", "seq": 5},
+        {"time": 130.0, "run_id": "r", "name": "step_6"},  # (the uploader's: no seq)
+        {"time": 140.0, "run_id": "other", "name": "step_8", "seq": 3},
+    )
+    got = history.uploads(str(tmp_path), "r")
+    assert {n: u.seqs for n, u in got.items()} == {
+        "step_2": {1, 5},
+        "step_4": {2},
+        "step_6": frozenset(),
+    }
+    d = SimpleNamespace(dirpath=str(tmp_path), run_id="r")
+    assert node_recovery.committed_seqs(d) == [1, 2, 5]  # type: ignore[arg-type]

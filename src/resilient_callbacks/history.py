@@ -123,10 +123,12 @@ class Upload:
     that of the newest ``upload`` record (written once the upload ended); ``committed``, the
     newest commit time they give (the record's time less its ``lag_s``, how long after its
     commit the upload ended), None where none has a number there (a foreign or damaged line:
-    its checkpoint's commit time is not known)."""
+    its checkpoint's commit time is not known); ``seqs``, the commit numbers they record (a
+    node-local coordinator's, after each remote commit: a restart uploads none of those again)."""
 
     time: float
     committed: float | None
+    seqs: frozenset[int] = frozenset()
 
 
 def uploads(root: str, run_id: str | None) -> dict[str, Upload]:
@@ -142,11 +144,13 @@ def uploads(root: str, run_id: str | None) -> dict[str, Upload]:
         committed: float | None = None  # (a lag that is no number: not known)
         if isinstance(lag, (int, float)) and not isinstance(lag, bool) and math.isfinite(lag):
             committed = at - lag
+        seqs = frozenset([r["seq"]]) if isinstance(r.get("seq"), int) else frozenset()
         if (seen := out.get(name)) is not None:
             at = max(at, seen.time)
             known = [c for c in (committed, seen.committed) if c is not None]
             committed = max(known) if known else None
-        out[name] = Upload(at, committed)
+            seqs |= seen.seqs
+        out[name] = Upload(at, committed, seqs)
     return out
 
 

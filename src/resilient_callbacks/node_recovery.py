@@ -72,14 +72,8 @@ def recover_uploads(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) 
 
 def committed_seqs(d: NodeDirectory) -> list[int]:
     """Coordinator: the commit numbers of this run whose remote commit the history of its
-    node's directory records (the committer's ``upload`` records)."""
-    return sorted(
-        {
-            r["seq"]
-            for r in history.records(d.dirpath, ("upload",))
-            if r.get("run_id") == d.run_id and isinstance(r.get("seq"), int)
-        }
-    )
+    node's directory records (the committer's ``upload`` records: :func:`.history.uploads`)."""
+    return sorted({seq for u in history.uploads(d.dirpath, d.run_id).values() for seq in u.seqs})
 
 
 def _uncommittable(d: NodeDirectory, older: list[Any]) -> list[list[Any]]:
