@@ -1310,6 +1310,35 @@ def test_the_launcher_started_by_aprun_is_one_of_several_ranks() -> None:
     assert single_process_env({"ALPS_APP_ID": "1234567"})
 
 
+def test_the_launcher_started_by_pals_mpiexec_is_one_of_several_ranks() -> None:
+    """HPE Cray's PALS ``mpiexec -n 4`` (PBS on Cray EX) starts the processes with
+    ``PALS_RANKID`` (and ``PALS_LOCAL_RANKID``, ``PALS_DEPTH``...; ``PMI_RANK`` and
+    ``PMI_SIZE`` only with cray-pmi): without the latter each took itself for the only rank and
+    trained alone, rank 0 of 1, into the same directory, as under ``aprun``. Slurm's
+    cray_shasta plugin sets ``PALS_RANKID`` in a step's tasks too, where ``SLURM_NTASKS`` says
+    how many run. Without mpi4py, DeepSpeed's MPI discovery's error then names mpiexec."""
+    from resilient_callbacks.deepspeed.run import (
+        _cray_launcher,
+        _cray_needs_mpi4py,
+        single_process_env,
+    )
+
+    for rank in ("0", "3"):
+        env = {"PALS_RANKID": rank, "PALS_LOCAL_RANKID": rank, "PALS_DEPTH": "8", "PATH": "/b"}
+        assert not single_process_env(env), env
+        assert "RANK" not in env and "WORLD_SIZE" not in env
+    slurm = {"PALS_RANKID": "0", "SLURM_JOB_ID": "42", "SLURM_NTASKS": "1"}
+    assert single_process_env(dict(slurm))
+    assert not single_process_env({**slurm, "PALS_RANKID": "1", "SLURM_NTASKS": "2"})
+    assert single_process_env({"PALS_APID": "3f2a", "PALS_DEPTH": "8"})
+    env = {"PALS_RANKID": "0"}
+    assert _cray_launcher(env) == "PALS_RANKID"
+    err = _cray_needs_mpi4py(env, "PALS_RANKID")
+    assert err.startswith("No module named 'mpi4py': HPE Cray PALS's mpiexec started this ")
+    assert "(PALS_RANKID=0)" in err and "start it without mpiexec, or set RANK=0" in err, err
+    assert _cray_launcher({"PALS_RANKID": "0", "PMI_SIZE": "4"}) is None
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_the_launcher_under_aprun_without_mpi4py_says_how_to_run_one_process(

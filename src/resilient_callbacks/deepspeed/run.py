@@ -41,24 +41,29 @@ def _usage() -> str:
 RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 #: set by MPI launchers (mpirun, srun with PMI): DeepSpeed's MPI discovery finds the ranks there
 _MPI = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
-#: set by Cray's aprun (ALPS) in each process it starts, its rank, where cray-pmi may set none of
-#: the above; Slurm on a Cray sets it in a step's tasks too, whose number SLURM_NTASKS then says
-_ALPS_RANK = "ALPS_APP_PE"
+#: set by HPE Cray's launchers in each process they start, its rank, where cray-pmi may set none
+#: of the above (and no number of processes): aprun (ALPS) and PALS's mpiexec; Slurm on a Cray
+#: sets them in a step's tasks too, whose number SLURM_NTASKS then says. Each with the launcher
+#: it names in an error and the command that starts one process without it.
+_CRAY_RANKS = {
+    "ALPS_APP_PE": ("Cray's aprun", "aprun -n 1", "without aprun"),
+    "PALS_RANKID": ("HPE Cray PALS's mpiexec", "mpiexec -n 1", "without mpiexec"),
+}
 
 
 def single_process_env(environ: MutableMapping[str, str]) -> bool:
     """Set :data:`RENDEZVOUS` in ``environ`` for one process (rank 0 of 1, a free local port)
     where none of them is set and nothing says other processes run beside this one (an MPI
-    launcher's variables, a Slurm step of several tasks, Cray's ``aprun`` outside Slurm:
-    ``ALPS_APP_PE``, which says no number of processes, so ``aprun -n 1`` too is left to
-    DeepSpeed's MPI discovery); whether it did. Without them ``deepspeed.init_distributed``
-    turns to MPI discovery and fails without ``mpi4py`` (``ModuleNotFoundError: No module
-    named 'mpi4py'``), also for one process."""
+    launcher's variables, a Slurm step of several tasks, Cray's ``aprun`` or PALS's
+    ``mpiexec`` outside Slurm: ``ALPS_APP_PE``, ``PALS_RANKID``, which say no number of
+    processes, so ``aprun -n 1`` too is left to DeepSpeed's MPI discovery); whether it did.
+    Without them ``deepspeed.init_distributed`` turns to MPI discovery and fails without
+    ``mpi4py`` (``ModuleNotFoundError: No module named 'mpi4py'``), also for one process."""
     if any(k in environ for k in (*RENDEZVOUS, *_MPI)):
         return False
     if environ.get("SLURM_NTASKS", "1") != "1":
         return False
-    if _aprun_alone(environ):
+    if _cray_launcher(environ):
         return False
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -76,26 +81,27 @@ def single_process_env(environ: MutableMapping[str, str]) -> bool:
     return True
 
 
-def _aprun_alone(environ: Mapping[str, str]) -> bool:
-    """Cray's ``aprun`` started this process outside a Slurm job and set nothing DeepSpeed finds
-    its ranks by but through MPI (``ALPS_APP_PE`` alone: ``aprun -n 1`` looks like rank 0 of
-    several)."""
-    return (
-        _ALPS_RANK in environ
-        and not any(k in environ for k in ("SLURM_JOB_ID", "SLURM_JOBID"))
-        and not any(k in environ for k in (*RENDEZVOUS, *_MPI))
-    )
+def _cray_launcher(environ: Mapping[str, str]) -> str | None:
+    """The rank variable of :data:`_CRAY_RANKS` by which Cray's ``aprun`` or PALS's
+    ``mpiexec`` started this process outside a Slurm job, having set nothing DeepSpeed finds
+    its ranks by but through MPI (the rank alone: ``aprun -n 1`` looks like rank 0 of
+    several); None where none did."""
+    if any(k in environ for k in ("SLURM_JOB_ID", "SLURM_JOBID", *RENDEZVOUS, *_MPI)):
+        return None
+    return next((k for k in _CRAY_RANKS if k in environ), None)
 
 
-def _aprun_needs_mpi4py(environ: Mapping[str, str]) -> str:
-    """What DeepSpeed's ``No module named 'mpi4py'`` means under :func:`_aprun_alone`."""
+def _cray_needs_mpi4py(environ: Mapping[str, str], var: str) -> str:
+    """What DeepSpeed's ``No module named 'mpi4py'`` means where :func:`_cray_launcher` found
+    ``var``."""
+    launcher, one, alone = _CRAY_RANKS[var]
     return (
-        f"No module named 'mpi4py': Cray's aprun started this process ({_ALPS_RANK}="
-        f"{environ.get(_ALPS_RANK)}) and none of {', '.join((*RENDEZVOUS, *_MPI))} is set, so "
+        f"No module named 'mpi4py': {launcher} started this process ({var}="
+        f"{environ.get(var)}) and none of {', '.join((*RENDEZVOUS, *_MPI))} is set, so "
         "DeepSpeed looks for its ranks through MPI, which needs mpi4py: install it (built "
         "against the system's MPI), or load cray-pmi so that PMI_RANK and PMI_SIZE are set. "
-        "aprun says no number of processes, so `aprun -n 1` cannot be told from rank 0 of "
-        "several: for one process, start it without aprun, or set RANK=0 LOCAL_RANK=0 "
+        f"{launcher.split()[-1]} says no number of processes, so `{one}` cannot be told from "
+        f"rank 0 of several: for one process, start it {alone}, or set RANK=0 LOCAL_RANK=0 "
         "WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=<a free port>"
     )
 
@@ -114,14 +120,14 @@ def single_process_at_init() -> None:
     original = ds_comm.init_distributed
 
     def init_distributed(*args: object, **kwargs: object) -> object:
-        aprun = False
+        cray: str | None = None
         if not (tdist.is_available() and tdist.is_initialized()):
-            aprun = not single_process_env(os.environ) and _aprun_alone(os.environ)
+            cray = None if single_process_env(os.environ) else _cray_launcher(os.environ)
         try:
             return original(*args, **kwargs)
         except ModuleNotFoundError as e:  # (aprun -n 1 without mpi4py ran alone before)
-            if aprun and e.name == "mpi4py":
-                raise ModuleNotFoundError(_aprun_needs_mpi4py(os.environ), name=e.name) from e
+            if cray and e.name == "mpi4py":
+                raise ModuleNotFoundError(_cray_needs_mpi4py(os.environ, cray), name=e.name) from e
             raise
 
     init_distributed.__doc__ = original.__doc__
