@@ -443,10 +443,12 @@ def test_processes_killed_before_the_first_checkpoint_are_failures_of_the_run(
     report = json.loads(js.read_text())
     s = report["summary"]
     assert s["lives"] == 3 and s["failures"] == 2 and s["saves"] == 1, s
-    # the summary line: a lower bound of 0.0 s alone read as nothing lost; the time no record
-    # covers (killed before any heartbeat) is said beside it
+    # the summary line: a lower bound of 0.0 s read as nothing lost; killed before any record
+    # past the step resumed from, the work lost is unknown, within the time no record covers
     said = capsys.readouterr().err
-    assert f", {s['unaccounted_s']:.1f} s more from the failures' last records to the " in said
+    assert s["work_lost_unknown"] == 2 and ">= 0.0 s" not in said, said
+    assert "work lost unknown (nothing recorded past the step resumed from: " in said
+    assert f", {s['unaccounted_s']:.1f} s from the failures' last records to the " in said
     assert s["wall_s"] >= lives[-1]["time"] - lives[0]["time"]
     assert report["other_runs"] == []
 
@@ -692,3 +694,50 @@ def test_report_says_whether_the_uploads_kept_up(tmp_path: Path):
     assert s["max_upload_lag_s"] == max(r["lag_s"] for r in ups)
     assert [u["name"] for u in data["uploads"]] == [r["name"] for r in ups]
     assert "checkpoints uploaded" in out.read_text()
+
+
+def _write_history(root: Path, records: list[tuple[str, float, int, float]]) -> Path:
+    """A history.jsonl of run "r" as the recorder writes it: (event, time, step, useful_s)."""
+    root.mkdir()
+    lines = [
+        json.dumps({"event": e, "time": t, "step": step, "run_id": "r", "useful_s": u})
+        for e, t, step, u in records
+    ]
+    (root / history.HISTORY_NAME).write_text("\n".join(lines) + "\n")
+    return root
+
+
+def test_work_lost_to_a_kill_after_the_last_record_is_unknown_not_zero(tmp_path: Path, capsys):
+    """The demo's run, SIGKILLed 7 steps past its save of step 30 and before any heartbeat
+    (about one a minute), reported ">= 0.0 s of work lost": its last record is the checkpoint
+    the restart resumed from, and when the kill came no record says. It is now "unknown"
+    (summary ``work_lost_unknown``, each failure's ``lost_work_known``), within the time from
+    the last record to the restart; a failure whose heartbeat went past its checkpoint keeps its
+    lower bound, and a mix says which failures it leaves out."""
+    from resilient_callbacks.report import analyse
+    from resilient_callbacks.report_html import render_html
+
+    killed_after_save = [("start", 100.0, 0, 0.0), ("save", 101.0, 10, 0.5)]
+    restart = [("restart", 110.0, 10, 0.5), ("save", 111.0, 20, 1.0), ("end", 112.0, 20, 1.0)]
+    d = _write_history(tmp_path / "a", killed_after_save + restart)
+    assert cli(["report", str(d), "--json", str(tmp_path / "a.json")]) == 0
+    said = capsys.readouterr().err
+    assert ">= 0.0 s" not in said, said
+    assert ", work lost unknown (nothing recorded past the step resumed from: " in said, said
+    assert ", 9.0 s from the failures' last records to the restarts" in said
+    data = analyse(str(d))
+    s, (f,) = data["summary"], data["failures"]
+    assert (f["lost_work_known"], s["work_lost_unknown"], s["unaccounted_s"]) == (False, 1, 9.0)
+    row = render_html(data, {}).split("<h2>Failures</h2>")[1].split("</table>")[0]
+    assert row.count("<td>unknown</td>") == 2, row  # lost steps and seconds
+
+    heartbeat = ("progress", 102.0, 14, 0.7)  # 4 steps, 0.2 s of compute past the save
+    killed_again = [("save", 113.0, 30, 1.5), ("restart", 120.0, 30, 1.5), ("end", 121.0, 30, 1.5)]
+    d = _write_history(tmp_path / "b", [*killed_after_save, heartbeat, *restart[:2], *killed_again])
+    data = analyse(str(d))
+    assert [f["lost_work_known"] for f in data["failures"]] == [True, False]
+    assert [f["lost_steps_at_least"] for f in data["failures"]] == [4, 0]
+    assert cli(["report", str(d), "--json", str(tmp_path / "b.json")]) == 0
+    said = capsys.readouterr().err
+    assert ", >= 0.2 s of work lost (unknown for 1 of the 2 failures: no record past" in said
+    assert ", 15.0 s more from the failures' last records to the restarts" in said, said

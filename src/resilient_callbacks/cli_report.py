@@ -96,12 +96,7 @@ def report(args: argparse.Namespace) -> int:
             else "goodput unknown (no step() call was timed: useful time is measured between "
             "step() calls)"
         )
-        lost = f">= {s['work_lost_s_at_least']:.1f} s of work lost"
-        if s["failures"]:  # the lower bound alone read as "nothing lost" (no heartbeat yet)
-            lost += (
-                f", {s['unaccounted_s']:.1f} s more from the failures' last records to the "
-                "restarts (lost work, time down or restarting: not told apart)"
-            )
+        lost = _work_lost(s)
         print(
             f"run {data['run_id']}: {goodput}, {s['failures']} failure(s), "
             f"{s['saves']} save(s), {s['saving_blocked_s']:.2f} s blocked saving, {lost}"
@@ -111,6 +106,28 @@ def report(args: argparse.Namespace) -> int:
     if wrote:
         print("wrote " + ", ".join(wrote), file=sys.stderr)
     return 0
+
+
+def _work_lost(s: dict[str, Any]) -> str:
+    """The summary line's work lost to failures: the lower bound the records show, "unknown"
+    for the failures whose process recorded nothing past the checkpoint resumed from (it said
+    ">= 0.0 s of work lost" for a SIGKILL 7 steps past a save), and the time no record covers."""
+    n, unknown = s["failures"], s.get("work_lost_unknown", 0)
+    if not n:
+        return f">= {s['work_lost_s_at_least']:.1f} s of work lost"
+    gap = (
+        f"{s['unaccounted_s']:.1f} s {{}}from the failures' last records to the restarts "
+        "(lost work, time down or restarting: not told apart)"
+    )
+    if unknown == n:
+        return (
+            "work lost unknown (nothing recorded past the step resumed from: killed before "
+            "the next heartbeat), " + gap.format("")
+        )
+    lost = f">= {s['work_lost_s_at_least']:.1f} s of work lost"
+    if unknown:
+        lost += f" (unknown for {unknown} of the {n} failures: no record past their checkpoint)"
+    return lost + ", " + gap.format("more ")
 
 
 def _last_life(lives: list[dict[str, Any]]) -> str:

@@ -10,7 +10,8 @@ exited on a preemption); one that did not is a failure: ``failed`` where the tra
 
 - *work lost* is the useful compute the dead life had done past the checkpoint the next life
   restored, as far as its last record shows (``progress`` heartbeats about once a minute, and
-  saves): a lower bound;
+  saves): a lower bound; *unknown* (``lost_work_known`` false) where no record of the life is
+  past that checkpoint and none says how it ended (killed before its next heartbeat);
 - the rest of the time from that last record to the restart is *unaccounted*: more lost work,
   the time the job was down, and the restart itself (they cannot be told apart).
 
@@ -251,6 +252,15 @@ def analyse(
             continue
         restored_useful = nxt.begin_useful_s
         lost = max(0.0, prev.last_useful_s - restored_useful)
+        # its records show work past the checkpoint restored (a heartbeat, a save not restored)
+        # or how it ended (a failed record); otherwise it was killed after its last record, at
+        # a time none says (the demo's SIGKILL 7 steps past a save, before any heartbeat), and
+        # the work it lost is unknown: within unaccounted_s, not the 0.0 s its records show
+        known = (
+            prev.failed_with is not None
+            or prev.last_step > nxt.begin_step
+            or prev.last_useful_s > restored_useful
+        )
         failures.append(
             {
                 "life": prev.index,
@@ -262,6 +272,7 @@ def analyse(
                 "restart_t": nxt.begin - t0,
                 "lost_steps_at_least": max(0, prev.last_step - nxt.begin_step),
                 "lost_work_s_at_least": lost,
+                "lost_work_known": known,
                 "unaccounted_s": max(0.0, nxt.begin - prev.last_time),
                 "restore_s": _num((nxt.restore or {}).get("seconds")),
                 "tier": (nxt.restore or {}).get("tier"),
@@ -302,6 +313,7 @@ def analyse(
         "median_blocking_s": cost,
         "median_persist_s": statistics.median(persist) if persist else None,
         "work_lost_s_at_least": sum(f["lost_work_s_at_least"] for f in failures),
+        "work_lost_unknown": sum(1 for f in failures if not f["lost_work_known"]),
         "unaccounted_s": sum(f["unaccounted_s"] for f in failures),
         "restore_s": sum(f["restore_s"] or 0.0 for f in failures),
         "final_step": ls[-1].last_step,

@@ -104,7 +104,7 @@ def plot_lost(ax: Any, data: dict[str, Any]) -> None:
         ax.text(
             x,
             f["lost_work_s_at_least"] + f["unaccounted_s"],
-            f"{f['lost_steps_at_least']} steps",
+            f"{f['lost_steps_at_least']} steps" if f.get("lost_work_known", True) else "unknown",
             ha="center",
             va="bottom",
             fontsize=7,
@@ -277,6 +277,7 @@ _SUMMARY_ROWS = (
     ("median_blocking_s", "median blocking per save (s)", None),
     ("median_persist_s", "median persist per save (s)", None),
     ("work_lost_s_at_least", "work lost to failures, at least (s)", None),
+    ("work_lost_unknown", "failures whose work lost is unknown (no record past the resume)", None),
     ("unaccounted_s", "down, restarting or lost (s)", None),
     ("restore_s", "restoring (s)", None),
     ("median_interval_used_s", "median interval used (compute s)", None),
@@ -344,7 +345,10 @@ def render_html(data: dict[str, Any], pngs: dict[str, bytes]) -> str:
         )
         parts.append("".join(f"<th>{c}</th>" for c in cols) + "</tr>")
         for f in data["failures"]:
-            parts.append("<tr>" + "".join(f"<td>{_fmt(f.get(c))}</td>" for c in cols) + "</tr>")
+            known = f.get("lost_work_known", True)  # (else killed at a time no record says)
+            lost = ("lost_steps_at_least", "lost_work_s_at_least")
+            cells = ("unknown" if not known and c in lost else _fmt(f.get(c)) for c in cols)
+            parts.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
         parts.append("</table>")
     if data["checkpoints"]:
         parts.append("<h2>Checkpoints by tier</h2><table><tr>")
