@@ -62,6 +62,18 @@ def test_drop_archives_deletes_only_those_the_policy_no_longer_makes(tmp_path):
     assert _steps(root) == [22]
 
 
+def test_drop_archives_and_drop_all_archives_together_are_refused(tmp_path):
+    """cli.md writes ``[--drop-archives | --drop-all-archives]``, one or the other, but gc
+    took both and did what --drop-all-archives says, silently: a usage error now (exit 2),
+    before anything is read or deleted."""
+    root = str(tmp_path / "ck")
+    _run(root)
+    r = cli("gc", root, "--drop-archives", "--drop-all-archives")
+    assert r.returncode == 2, r.stderr
+    assert "--drop-all-archives: not allowed with argument --drop-archives" in r.stderr
+    assert _steps(root) == [4, 8, 12, 20, 22]
+
+
 def test_drop_archives_on_the_remote_deletes_only_those_its_policy_no_longer_makes(tmp_path):
     local, url = str(tmp_path / "local"), f"file://{tmp_path}/durable/run"
     _run(local, remote=url)

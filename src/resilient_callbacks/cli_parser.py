@@ -214,14 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="keep the newest N, N >= 1 (overrides the keep_last recorded in the manifests)",
     )
-    p.add_argument(
+    drop = p.add_mutually_exclusive_group()  # (both given, "all" won without a word)
+    drop.add_argument(
         "--drop-archives",
         action="store_true",
         help="also delete the archive points of a keep_every_n_steps the newest checkpoint's "
         "policy no longer has (kept forever by the policy each was written with)",
     )
     all_help = "also delete every archive point, the newest policy's keep_every_n_steps too"
-    p.add_argument("--drop-all-archives", action="store_true", help=all_help)
+    drop.add_argument("--drop-all-archives", action="store_true", help=all_help)
     _json(p, "what is (or would be) deleted and what is kept")
     p.set_defaults(fn=cmd_gc)
 
