@@ -417,6 +417,16 @@ def test_the_help_says_which_exit_codes_judge_the_checkpoints(tmp_path):
     assert "alone where DIR does not exist" in gc_help, gc_help
 
 
+def test_push_help_says_it_uploads_damaged_remote_copies_again():
+    """``push --help`` (and the command list of ``--help``) said only "upload the valid local
+    checkpoints the remote store does not have": a user with a damaged remote copy (a file
+    missing, a wrong size) did not learn that push repairs it, as docs/cli.md says."""
+    push = " ".join(cli("push", "--help").stdout.split())
+    said = "the remote store lacks, and again those whose remote copy is damaged"
+    assert said in push, push
+    assert said in " ".join(cli("--help").stdout.split())
+
+
 def test_every_commands_dir_help_says_which_directory_it_is():
     """``export --help`` called DIR "a ResilientCheckpoint directory": a plain Checkpointer's
     (which it exports, --key) or a DeepSpeed run's seemed not to be one. Every command's DIR is

@@ -236,7 +236,12 @@ def build_parser() -> argparse.ArgumentParser:
     _json(p, "what was pulled")
     p.set_defaults(fn=cmd_pull)
 
-    p = _sub(sub, "push", "upload the valid local checkpoints the remote store does not have")
+    p = _sub(
+        sub,
+        "push",
+        "upload the valid local checkpoints the remote store lacks, and again those whose "
+        "remote copy is damaged",
+    )
     p.add_argument("dir", metavar="DIR", help=DIR_HELP)
     p.add_argument(
         "url", metavar="URL", help="the remote store (fsspec URL, e.g. s3://bucket/run1)"
