@@ -28,18 +28,29 @@ from torch_needs import DCP_MISSING, TRANSFORMERS_MISSING
 
 # files built on resilient_callbacks.dcp, or on the Transformers Trainer: not collected where the
 # running torch cannot run them (RESILIENT_TORCH=torch==2.4.1 bash scripts/test.sh)
-DCP_FILES = ["test_dcp_sharded.py", "test_dcp_storage.py", "test_upstream_dcp.py"]
+DCP_FILES = [
+    "test_dcp_sharded.py",
+    "test_dcp_storage.py",
+    "test_dcp_storage_edges.py",
+    "test_sharded_reshard.py",
+    "test_upstream_dcp.py",
+]
 TRANSFORMERS_FILES = [
     "test_transformers.py",
     "test_transformers_auto_batch.py",
+    "test_transformers_best.py",
+    "test_transformers_callback_order.py",
     "test_transformers_checks.py",
+    "test_transformers_collator_rng.py",
     "test_transformers_ddp.py",
     "test_transformers_fsdp.py",
     "test_transformers_hp_search.py",
     "test_transformers_many_trainings.py",
     "test_transformers_new_data.py",
     "test_transformers_phases.py",
+    "test_transformers_preempted.py",
     "test_transformers_scheduler_settings.py",
+    "test_transformers_settings_killed.py",
     "test_transformers_setups.py",
     "test_transparent_transformers.py",
     "test_upstream_transformers.py",

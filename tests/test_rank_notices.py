@@ -29,6 +29,7 @@ from torch import nn
 
 import spawn_ranks
 from resilient_callbacks import Checkpointer, PerRank
+from torch_needs import needs_transformers
 
 
 def _state(rank: int, dtype: torch.dtype, new: bool) -> dict:
@@ -392,6 +393,7 @@ def test_lightning_ddp_says_a_setting_changed_since_the_checkpoint_once(tmp_path
     assert _count(outputs, text) == [1, 0], "\n".join(outputs)
 
 
+@needs_transformers
 @pytest.mark.slow  # a Trainer of 2 ranks: about 7 s alone (the rule is tested on the core's)
 def test_the_transformers_trainer_on_two_ranks_says_it_has_no_save_trigger_once(tmp_path):
     pytest.importorskip("transformers")
