@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -193,27 +194,38 @@ def test_the_lightning_adapter_says_which_lightning_it_needs(monkeypatch):
             resilient_callbacks.lightning = attribute
 
 
-def test_every_transformers_test_file_is_left_out_where_the_trainer_cannot_run():
+def _our_conftest(request: pytest.FixtureRequest) -> Any:
+    """tests/conftest.py as pytest loaded it: ``from conftest import`` takes whichever
+    conftest.py was put first on sys.path, tests/upstream's once that folder's tests were
+    collected (the whole suite), not this folder's."""
+    mine = str(Path(__file__).with_name("conftest.py"))
+    for plugin in request.config.pluginmanager.get_plugins():
+        if getattr(plugin, "__file__", None) == mine:
+            return plugin
+    raise AssertionError(f"pytest has not loaded {mine}")
+
+
+def test_every_transformers_test_file_is_left_out_where_the_trainer_cannot_run(request):
     """Each tests/test_*transformers*.py builds on the Transformers Trainer, which transformers 5
     disables below torch 2.5 (``GPT2LMHeadModel requires the PyTorch library``): conftest's
     TRANSFORMERS_FILES leaves them uncollected there. Five were not in it (best, callback_order,
     collator_rng, preempted, settings_killed): their ``importorskip("transformers")`` passes
     where transformers is installed, and their tests failed on the old torch instead of being
     left out."""
-    from conftest import TRANSFORMERS_FILES
+    TRANSFORMERS_FILES = _our_conftest(request).TRANSFORMERS_FILES
 
     files = sorted(p.name for p in Path(__file__).parent.glob("test_*transformers*.py"))
     assert sorted(set(files) - set(TRANSFORMERS_FILES)) == []
     assert sorted(set(TRANSFORMERS_FILES) - set(files)) == []  # (a file renamed or removed)
 
 
-def test_every_test_file_that_imports_dcp_at_the_top_is_left_out_where_it_cannot():
+def test_every_test_file_that_imports_dcp_at_the_top_is_left_out_where_it_cannot(request):
     """A test file that imports resilient_callbacks.dcp at its top cannot be imported where the
     torch is older than dcp needs (its ImportError): conftest's DCP_FILES leaves it uncollected
     there. test_dcp_storage_edges.py and test_sharded_reshard.py were not in it (the latter's
     ``pytestmark = needs_dcp`` comes after its imports): their collection errors interrupted
     the whole suite on torch 2.4."""
-    from conftest import DCP_FILES
+    DCP_FILES = _our_conftest(request).DCP_FILES
 
     importing = []
     for path in sorted(Path(__file__).parent.glob("test_*.py")):
