@@ -6,7 +6,8 @@ It trains a small MLP (dropout, AdamW, LR schedule, shuffled mini-batches) three
 ./demo_output/plain/:
 
 1. uninterrupted, for reference;
-2. the same command, killed with SIGKILL at a step between two checkpoints;
+2. the same command, killed with SIGKILL at a step between two checkpoints (``--kill-at``: at
+   that step on any machine, fast or slow: the run waits there to be killed);
 3. the same command again: it resumes from the newest valid checkpoint by itself.
 
 Then it prints the loss of every step of both runs side by side and checks that the resumed run's
@@ -30,7 +31,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def train(ckpt_dir: str, log_path: str, steps: int, every: int, delay: float) -> None:
+def train(
+    ckpt_dir: str, log_path: str, steps: int, every: int, delay: float, stop_at: int = 0
+) -> None:
     import torch
     from torch.utils.data import TensorDataset
 
@@ -67,6 +70,8 @@ def train(ckpt_dir: str, log_path: str, steps: int, every: int, delay: float) ->
                     if saved:
                         log.write(json.dumps({"saved": step}) + "\n")
                         log.flush()
+                    if step == stop_at:  # (the demo's, not a user's: wait here to be killed)
+                        wait_to_be_killed(log_path)
                     time.sleep(delay)
                     if step >= steps:
                         break
@@ -76,6 +81,20 @@ def train(ckpt_dir: str, log_path: str, steps: int, every: int, delay: float) ->
         {k: v.contiguous() for k, v in model.state_dict().items()},
         os.path.join(os.path.dirname(log_path), "final_weights.safetensors"),
     )
+
+
+def wait_to_be_killed(log_path: str) -> None:
+    """Say so (a file beside the log) and wait: the demo's parent SIGKILLs this run at this step,
+    where it waits, and not at whichever step it had reached when the parent looked (a step
+    or several later on a loaded machine, past a checkpoint perhaps: another story)."""
+    with open(stop_marker(log_path), "w") as f:
+        f.write(f"{os.getpid()}\n")
+    while True:
+        time.sleep(60)
+
+
+def stop_marker(log_path: str) -> str:
+    return os.path.join(os.path.dirname(log_path), "waiting_to_be_killed")
 
 
 def read_log(path: str) -> tuple[dict[int, float], list[int]]:
@@ -93,7 +112,7 @@ def read_log(path: str) -> tuple[dict[int, float], list[int]]:
     return losses, saves
 
 
-def run_child(args: argparse.Namespace, run_dir: str) -> subprocess.Popen[bytes]:
+def run_child(args: argparse.Namespace, run_dir: str, stop_at: int = 0) -> subprocess.Popen[bytes]:
     cmd = [
         sys.executable,
         os.path.abspath(__file__),
@@ -105,6 +124,8 @@ def run_child(args: argparse.Namespace, run_dir: str) -> subprocess.Popen[bytes]
         str(args.every),
         "--delay",
         str(args.delay),
+        "--stop-at",
+        str(stop_at),
     ]
     return subprocess.Popen(cmd)
 
@@ -122,6 +143,7 @@ def main() -> int:
     ap.add_argument("--kill-at", type=int, default=37, help="SIGKILL the second run at this step")
     ap.add_argument("--delay", type=float, default=0.02, help="seconds of 'work' per step")
     ap.add_argument("--child", metavar="RUN_DIR", help=argparse.SUPPRESS)
+    ap.add_argument("--stop-at", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         train(
@@ -130,6 +152,7 @@ def main() -> int:
             args.steps,
             args.every,
             args.delay,
+            args.stop_at,
         )
         return 0
 
@@ -154,15 +177,17 @@ def main() -> int:
         return 1
 
     print(f"[2/3] same command, killed with SIGKILL at step {args.kill_at}")
-    proc = run_child(args, crash)
+    proc = run_child(args, crash, stop_at=args.kill_at)
     log = os.path.join(crash, "log.jsonl")
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        if os.path.exists(log) and max(read_log(log)[0], default=0) >= args.kill_at:
-            os.kill(proc.pid, signal.SIGKILL)
-            break
-        time.sleep(0.005)
+    marker = stop_marker(log)
+    while not os.path.exists(marker):  # it waits at step --kill-at: killed there, however slow
+        if proc.poll() is not None:
+            print(f"  the run ended (exit {proc.returncode}) before step {args.kill_at}")
+            return 1
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    os.remove(marker)
     killed_losses, killed_saves = read_log(log)
     taken = (
         f"last checkpoint taken: step {max(killed_saves)}"
