@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.trainer_utils import HPSearchBackend
 
 import hf_train
-from resilient_callbacks.errors import CheckpointMismatchError
+from resilient_callbacks.errors import CheckpointMismatchError, ConfigError
 from resilient_callbacks.transformers import ResilientCheckpoint
 
 
@@ -76,6 +76,38 @@ def test_each_trial_saves_and_keeps_its_own_checkpoints(tmp_path, as_optuna):
         "name": "run-1",
         "params": {"learning_rate": 2e-3},
     }
+
+
+@pytest.mark.parametrize("where", ["absolute", "up", "output_dir"])
+def test_a_trial_named_outside_output_dir_is_refused(tmp_path, as_optuna, where):
+    """An ``hp_name`` giving an absolute path outside ``output_dir`` or one with ``..`` put
+    the trial's checkpoints outside ``dirpath`` (``dirpath/../../elsewhere/t0``) and wrote
+    ``..`` into its remote keys; ``""`` put every trial in ``dirpath`` itself. Refused at the
+    trial's ``train()``, before anything is saved, naming the name and what is allowed."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    name = {"absolute": str(elsewhere / "t0"), "up": "../elsewhere/t0", "output_dir": ""}[where]
+    trainer = as_optuna(_trainer(out, ResilientCheckpoint(every_n_steps=1, remote=tmp_path / "r")))
+    trainer.hp_name = lambda trial: name
+    with pytest.raises(ConfigError) as e:
+        _trial(trainer, 0, 1e-3)
+    said = str(e.value)
+    assert f"trial 0: hp_name returned {name!r}, which is not a folder inside output_dir" in said
+    assert "a relative name without '..' parts, one per trial" in said
+    assert not elsewhere.exists() and not list(tmp_path.rglob("step_*"))
+
+
+def test_a_trial_named_a_folder_inside_output_dir_saves_there(tmp_path, as_optuna):
+    """What the refusal above still takes: a nested relative name, and an absolute path
+    inside ``output_dir`` (taken as relative to it)."""
+    out = tmp_path / "out"
+    trainer = as_optuna(_trainer(out, ResilientCheckpoint(every_n_steps=1, keep_last=1)))
+    trainer.hp_name = lambda t: f"lr/run-{t.number}" if t.number == 0 else str(out / "run-1")
+    _trial(trainer, 0, 1e-3)
+    _trial(trainer, 1, 2e-3)
+    ck = out / "_resilient_checkpoints"
+    assert _steps(ck / "lr" / "run-0") == [2] and _steps(ck / "run-1") == [2]
+    saved = json.loads((ck / "run-1" / "step_000000002" / "shared.json").read_text())
+    assert saved["structure"]["trainer"]["trial"]["name"] == "run-1"
 
 
 @pytest.mark.slow  # four trainings

@@ -27,7 +27,7 @@ import os
 from typing import Any
 
 from .. import dist
-from ..errors import CheckpointMismatchError
+from ..errors import CheckpointMismatchError, ConfigError
 from .auto_batch import newest_values
 
 log = logging.getLogger("resilient_callbacks")
@@ -41,14 +41,38 @@ def trial(trainer: Any) -> dict[str, Any] | None:
     current = getattr(trainer, "_trial", None)
     if current is None or getattr(trainer, "hp_search_backend", None) is None:
         return None
-    out = trainer.args.output_dir
-    name = os.path.relpath(trainer._get_output_dir(current), out)
+    name = _name(trainer, current)
     params = getattr(trainer.state, "trial_params", None)
     if params is None:
         from transformers.integrations import hp_params
 
         params = hp_params(current)
     return {"name": name, "params": json.loads(json.dumps(params, sort_keys=True, default=str))}
+
+
+def _name(trainer: Any, current: Any) -> str:
+    """The trial's run directory relative to ``output_dir``, a folder inside it: refused where
+    ``hp_name`` puts it elsewhere (an absolute path outside, ``..``: the trial would save
+    outside ``dirpath``, ``..`` in its remote keys) or in ``output_dir`` itself (``""``: every
+    trial in one directory). An absolute path inside ``output_dir`` is taken as relative."""
+    out = trainer.args.output_dir
+    run_dir = trainer._get_output_dir(current)
+    name = os.path.relpath(run_dir, out)
+    parts = name.split(os.sep)
+    if name != os.curdir and not os.path.isabs(name) and os.pardir not in parts:
+        return name
+    hp_name = getattr(trainer, "hp_name", None)
+    said = (
+        f"hp_name returned {hp_name(current)!r}" if hp_name else f"its run directory is {run_dir!r}"
+    )
+    raise ConfigError(
+        f"ResilientCheckpoint: hyperparameter search trial {getattr(current, 'number', current)!r}: "
+        f"{said}, which is not a folder inside output_dir ({out!r}). Each trial saves into a "
+        "folder of that name under the checkpoint directory (and under remote=), which must "
+        "stay inside it: give hp_name a relative name without '..' parts, one per trial (such "
+        "as f'run-{trial.number}' or f'lr-{lr}/run-{trial.number}'), or leave hp_name out "
+        "(run-<trial id>)."
+    )
 
 
 def place(
