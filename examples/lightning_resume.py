@@ -38,9 +38,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SETUP = "`bash scripts/setup.sh test` (the demo's set-up installs the core only)"
 OUT = os.path.join(os.getcwd(), "demo_output", "lightning")
 STEPS, EVERY = 60, 10
+WAITING = "waiting_to_be_killed"  # the run killed says so, where it waits to be
 
 
-def train(workdir: str, delay: float) -> None:
+def train(workdir: str, stop_at: int) -> None:
     import lightning as L
     import torch
     from torch import nn
@@ -70,7 +71,10 @@ def train(workdir: str, delay: float) -> None:
             with open(log_path, "a") as f:  # the loss of every step, for the comparison
                 f.write(json.dumps({"step": self.global_step + 1, "loss": loss.item().hex()}))
                 f.write("\n")
-            time.sleep(delay)  # slow enough for the demo to kill it mid-epoch
+            if self.global_step + 1 == stop_at:  # the demo's: wait here to be killed (run())
+                open(os.path.join(workdir, WAITING), "w").close()
+                while True:
+                    time.sleep(60)
             return loss
 
         def validation_step(self, batch, batch_idx):
@@ -117,23 +121,29 @@ def losses(workdir: str) -> dict[int, str]:
     return out
 
 
-def run(workdir: str, delay: float, kill_after: int | None = None) -> None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--train", workdir, "--delay", str(delay)]
+def run(workdir: str, kill_after: int = 0) -> None:
+    """Train in a process of its own; with ``kill_after``, SIGKILL it during that step, where it
+    waits (a file says so): at that step on any machine, where killing it at whichever step it
+    had reached when this process looked was a step or more later on a loaded one (past the
+    next checkpoint, perhaps)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--train", workdir]
+    cmd += ["--stop-at", str(kill_after)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    if kill_after is None:
+    if not kill_after:
         out, err = proc.communicate(timeout=300)
         if proc.returncode != 0:
             sys.exit(f"training failed:\n{err.decode()}")
         print(out.decode().rstrip())
         return
-    log = os.path.join(workdir, "losses.jsonl")
-    while not (os.path.exists(log) and max(losses(workdir), default=0) >= kill_after):
+    waiting = os.path.join(workdir, WAITING)
+    while not os.path.exists(waiting):
         if proc.poll() is not None:
             sys.exit(f"training ended before step {kill_after}:\n{proc.stderr.read().decode()}")
         time.sleep(0.01)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    os.remove(waiting)
     print(f"  killed with SIGKILL during step {max(losses(workdir))}")
 
 
@@ -147,10 +157,10 @@ def needs(*modules: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--train", metavar="WORKDIR", help=argparse.SUPPRESS)
-    p.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    p.add_argument("--stop-at", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.train:
-        train(args.train, args.delay)
+        train(args.train, args.stop_at)
         return 0
 
     import torch
@@ -161,11 +171,11 @@ def main() -> int:
     os.makedirs(ref)
     os.makedirs(run_dir)
     print("[1/3] uninterrupted run")
-    run(ref, 0.0)
+    run(ref)
     print("[2/3] the same command, killed mid-epoch (13 batches per epoch)")
-    run(run_dir, 0.05, kill_after=27)
+    run(run_dir, kill_after=27)
     print("[3/3] the same command again: it resumes from the newest valid checkpoint")
-    run(run_dir, 0.0)
+    run(run_dir)
 
     a, b = losses(ref), losses(run_dir)
     print("\n step  uninterrupted      interrupted+resumed")

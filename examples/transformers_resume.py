@@ -43,9 +43,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 SETUP = "`bash scripts/setup.sh test` (the demo's set-up installs the core only)"
 OUT = os.path.join(os.getcwd(), "demo_output", "transformers")
 STEPS, EVERY = 30, 5  # an epoch is 8 optimizer steps: 256 samples, batch 8, accumulation 4
+WAITING = "waiting_to_be_killed"  # the run killed says so, where it waits to be
 
 
-def train(workdir: str, delay: float) -> None:
+def train(workdir: str, stop_at: int) -> None:
     import torch
     import transformers
     from transformers import (
@@ -73,14 +74,15 @@ def train(workdir: str, delay: float) -> None:
         def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
             return {"input_ids": self.x[i], "labels": self.x[i]}
 
-    class LogLosses(TrainerCallback):  # only for this demo's comparison (and to pace it)
+    class LogLosses(TrainerCallback):  # only for this demo's comparison (and its kill)
         def on_log(self, args, state, control, logs=None, **kwargs):  # type: ignore[no-untyped-def]
             if logs and "loss" in logs:
                 with open(os.path.join(workdir, "losses.jsonl"), "a") as f:
                     f.write(json.dumps({"step": state.global_step, "loss": logs["loss"]}) + "\n")
-
-        def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
-            time.sleep(delay)
+                if state.global_step == stop_at:  # wait here to be killed (run() below)
+                    open(os.path.join(workdir, WAITING), "w").close()
+                    while True:
+                        time.sleep(60)
 
     torch.manual_seed(0)
     config = GPT2Config(
@@ -138,27 +140,29 @@ def losses(workdir: str) -> dict[int, float]:
     return out
 
 
-def run(workdir: str, delay: float = 0.0, kill_after: int | None = None) -> None:
-    cmd = [sys.executable, os.path.abspath(__file__), "--train", workdir, "--delay", str(delay)]
+def run(workdir: str, kill_after: int = 0) -> None:
+    """Train in a process of its own; with ``kill_after``, SIGKILL it after that step, where it
+    waits (a file says so): at that step on any machine, where killing it at whichever step it
+    had reached when this process looked was a step or more later on a loaded one (past the
+    next checkpoint, or after the run's end)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--train", workdir]
+    cmd += ["--stop-at", str(kill_after)]
     os.makedirs(workdir, exist_ok=True)
     with open(os.path.join(workdir, "trainer.log"), "a") as log:
         proc = subprocess.Popen(cmd, stdout=log)
-    if kill_after is None:
+    if not kill_after:
         if proc.wait() != 0:
             sys.exit(f"training failed (exit code {proc.returncode})")
         return
-    while proc.poll() is None:
-        try:
-            seen = max(losses(workdir), default=0)
-        except FileNotFoundError:
-            seen = 0
-        if seen >= kill_after:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-            print(f"  killed with SIGKILL after step {seen}", flush=True)
-            return
+    waiting = os.path.join(workdir, WAITING)
+    while not os.path.exists(waiting):
+        if proc.poll() is not None:
+            sys.exit(f"the run ended (exit code {proc.returncode}) before step {kill_after}")
         time.sleep(0.05)
-    sys.exit("the run finished before it could be killed")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    os.remove(waiting)
+    print(f"  killed with SIGKILL after step {max(losses(workdir))}", flush=True)
 
 
 def needs(*modules: str) -> None:
@@ -171,10 +175,10 @@ def needs(*modules: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--train", help=argparse.SUPPRESS)
-    ap.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    ap.add_argument("--stop-at", type=int, default=0, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.train:
-        train(a.train, a.delay)
+        train(a.train, a.stop_at)
         return 0
     needs("transformers", "accelerate")
 
@@ -191,7 +195,7 @@ def main() -> int:
     print("[1/3] uninterrupted run", flush=True)
     run(ref)
     print("[2/3] the same run, killed mid-epoch (between the checkpoints of steps 10 and 15)")
-    run(resumed, delay=0.2, kill_after=12)
+    run(resumed, kill_after=12)
     print("[3/3] the same command again")
     run(resumed)
 

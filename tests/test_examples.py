@@ -44,6 +44,45 @@ def torchrun(script: str, nproc: int, cwd: Path, *args: str) -> str:
     return run([*launcher, f"--nproc_per_node={nproc}", str(EXAMPLES / script), *args], cwd)
 
 
+def run_stalled(argv: list[str], cwd: Path, killed: Path, kill_at: int) -> str:
+    """``run(argv, cwd)`` for an example that SIGKILLs a run of its own (its losses logged to
+    ``killed``) at step ``kill_at``, the example's process stopped (SIGSTOP, as a loaded
+    machine's scheduler may leave it) from that run's start until the run has gone past
+    ``kill_at`` or waits there to be killed (it says so: ``waiting_to_be_killed`` beside its
+    log). The kill lands at ``kill_at`` however late the example looks; the examples killed
+    the run at whichever step it had reached when they looked (polling its log)."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
+    waiting = killed.parent / "waiting_to_be_killed"
+
+    def until(done: Callable[[], bool], proc: subprocess.Popen[bytes]) -> None:
+        for _ in range(40000):  # (a hang's guard: 400 s)
+            if done() or proc.poll() is not None:
+                return
+            time.sleep(0.01)
+        raise AssertionError(f"{argv} did not get past step {kill_at}")
+
+    def past_or_waiting() -> bool:
+        steps = re.findall(r'"step": (\d+)', killed.read_text())
+        return waiting.exists() or any(int(s) > kill_at for s in steps)
+
+    with (
+        (cwd / "output.txt").open("w+") as out,
+        subprocess.Popen(argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT) as proc,
+    ):
+        try:
+            until(killed.exists, proc)  # the run to kill has started
+            os.kill(proc.pid, signal.SIGSTOP)
+            until(past_or_waiting, proc)
+            os.kill(proc.pid, signal.SIGCONT)
+            proc.wait(timeout=400)
+        finally:
+            proc.kill()
+        out.seek(0)
+        said = out.read()
+    assert proc.returncode == 0, f"{argv} exited {proc.returncode}\n{said[-4000:]}"
+    return said
+
+
 def losses(out: str) -> dict[int, str]:
     return {int(s): v for s, v in re.findall(r"^step (\d+) loss (\S+)$", out, re.M)}
 
@@ -86,6 +125,29 @@ def test_fsdp_example_resumes_on_one_rank(tmp_path):
     assert sorted(losses(out)) == [30]
 
 
+# the examples that kill a run of their own: its folder and log, the step, what they say
+KILLED = {
+    "demo_resume.py": (
+        "plain/interrupted",
+        "log.jsonl",
+        37,
+        "killed (exit -9) after step 37; last checkpoint taken: step 30",
+    ),
+    "lightning_resume.py": (
+        "lightning/interrupted",
+        "losses.jsonl",
+        27,
+        "killed with SIGKILL during step 27",
+    ),
+    "transformers_resume.py": (
+        "transformers/interrupted",
+        "losses.jsonl",
+        12,
+        "killed with SIGKILL after step 12",
+    ),
+}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("script", "verdict"),
@@ -100,11 +162,15 @@ def test_fsdp_example_resumes_on_one_rank(tmp_path):
     ],
 )
 def test_self_checking_example_reports_an_exact_resume(tmp_path, script, verdict):
-    out = run([sys.executable, str(EXAMPLES / script)], tmp_path, timeout=400.0)
+    argv = [sys.executable, str(EXAMPLES / script)]
+    if script in KILLED:  # killed at the step it names, however late the example looks
+        folder, log, step, said = KILLED[script]
+        out = run_stalled(argv, tmp_path, tmp_path / "demo_output" / folder / log, step)
+        assert said in out, out[-3000:]
+    else:
+        out = run(argv, tmp_path, timeout=400.0)
     if verdict is not None:
         assert verdict in out, out[-3000:]
-    if script == "demo_resume.py":  # killed at --kill-at (37), where it waits: not later
-        assert "killed (exit -9) after step 37; last checkpoint taken: step 30" in out, out[-3000:]
     if script == "lightning_resume.py":
         assert re.search(r"all \d+ per-step losses identical: True", out), out[-3000:]
     # the command it suggests runs as printed, from where the example ran, without an activated
@@ -220,38 +286,8 @@ def test_the_demo_killed_before_its_first_checkpoint_says_it_starts_over(tmp_pat
     waits at it. The demo killed the run at the step it saw when it looked (polling the log):
     step 10, after its checkpoint, or the run had finished ('killed (exit 0)')."""
     argv = [sys.executable, str(EXAMPLES / "demo_resume.py"), "--steps", "12", "--every", "10"]
-    argv += ["--kill-at", "9", "--delay", "0.1"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0")
-    crash = tmp_path / "demo_output" / "plain" / "interrupted"
-    log = crash / "log.jsonl"
-
-    def past_step_9_or_waiting() -> bool:
-        if (crash / "waiting_to_be_killed").exists() or (
-            crash / "final_weights.safetensors"
-        ).exists():
-            return True
-        steps = re.findall(r'"step": (\d+)', log.read_text()) if log.exists() else []
-        return any(int(s) > 9 for s in steps)
-
-    def until(done: Callable[[], bool]) -> None:
-        for _ in range(24000):  # (a hang's guard: 240 s)
-            if done():
-                return
-            time.sleep(0.01)
-        raise AssertionError(f"timed out: {done.__name__}")
-
-    with subprocess.Popen(
-        argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    ) as demo:
-        try:
-            until(lambda: log.exists())  # the run to kill has started (its first step, 0.1 s)
-            os.kill(demo.pid, signal.SIGSTOP)
-            until(past_step_9_or_waiting)
-            os.kill(demo.pid, signal.SIGCONT)
-            out, _ = demo.communicate(timeout=240)
-        finally:
-            demo.kill()
-    assert demo.returncode == 0, out[-3000:]
+    killed = tmp_path / "demo_output" / "plain" / "interrupted" / "log.jsonl"
+    out = run_stalled([*argv, "--kill-at", "9", "--delay", "0.1"], tmp_path, killed, 9)
     assert (
         "killed (exit -9) after step 9; no checkpoint taken yet (the first was due at step 10)"
         in out
