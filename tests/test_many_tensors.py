@@ -37,6 +37,7 @@ from resilient_callbacks import (
 )
 from resilient_callbacks.checksum import FileHasher
 from resilient_callbacks.errors import UnsupportedStateError
+from resilient_callbacks.known import KnownCheckpoints
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,18 +140,23 @@ def test_keep_all_retention_reads_no_manifest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The default keep_last=None deletes nothing, so a save scans nothing; with keep_last
-    retention still scans and deletes."""
+    retention still scans (lists the directory: :mod:`resilient_callbacks.known`) and deletes."""
     scans: list[str] = []
-    real_scan = catalog.scan
+    real_scan, real_entries = catalog.scan, KnownCheckpoints.entries
 
     def scan(root: str, *a: Any, **kw: Any) -> Any:
         scans.append(root)
         return real_scan(root, *a, **kw)
 
+    def entries(self: KnownCheckpoints, root: str) -> Any:
+        scans.append(root)
+        return real_entries(self, root)
+
     state = {"model": torch.nn.Linear(3, 2)}
     with Checkpointer(tmp_path / "all", async_save=False, preemption=False) as ck:
         ck.save(1, state)
         monkeypatch.setattr(catalog, "scan", scan)
+        monkeypatch.setattr(KnownCheckpoints, "entries", entries)
         for step in range(2, 7):
             ck.save(step, state)
         assert scans == []

@@ -32,6 +32,7 @@ from .errors import (
     ConfigError,
     relayed,
 )
+from .known import KnownCheckpoints
 from .lock import COMMAND_WAIT_S, DirLock, claim_remote
 from .manifest import MANIFEST_NAME, Manifest, read_manifest
 from .reader import by_commit
@@ -117,8 +118,8 @@ class Directory:
         self.remote_due: Callable[[int, str], bool] | None = None  # remote_every_n_saves
         self._retention_lock = threading.Lock()
         self.trash = TrashBin()  # deletes what retention removed, off the persist path
-        self.manifests = catalog.ManifestCache()  # retention's, parsed once each
-        self.ranked = remote_best.Ranked(self.manifests)  # (is_best's, kept between commits)
+        # read by retention and is_best at each commit; kept between commits
+        self.known = KnownCheckpoints()
         self.said = Repeats()  # retention's failures, each said once (not after every save)
         self._reported_foreign = False
         self.checked_foreign = False
@@ -273,7 +274,7 @@ class Directory:
         that ``policy`` (the remote retention) keeps: uploaded though ``remote_every_n_saves``
         skips it (:mod:`.remote_best`)."""
         with self._retention_lock:  # (the manifests the retention passes parse, and delete)
-            return remote_best.is_best(self.dirpath, name, policy, self.run_id, self.ranked)
+            return remote_best.is_best(self.dirpath, name, policy, self.run_id, self.known)
 
     def committed(self, seq: int) -> None:
         """Every rank, once the checkpoint of commit number ``seq`` is committed (before the
@@ -357,7 +358,7 @@ class Directory:
                 self.blobs,
                 self.trash.put,
                 self.found_corrupt,
-                self.manifests,
+                self.known,
                 self.said,
             )
 

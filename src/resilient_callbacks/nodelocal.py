@@ -201,6 +201,7 @@ class NodeDirectory(Directory):
                 blobs=self.blobs,  # (those a restore of an incremental checkpoint fetched)
                 discard=self.trash.put,
                 corrupt=self.found_corrupt,
+                known=self.known,
                 said=self.said,
             )
 

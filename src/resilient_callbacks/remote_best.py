@@ -28,17 +28,14 @@ every node uploads its part or none does); each leader at a restart, on its own 
 
 from __future__ import annotations
 
-import functools
 import logging
-import os
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from . import catalog
-from .catalog import Depth, Entry
-from .commit import CKPT_RE
-from .manifest import MANIFEST_NAME
-from .retention import Candidate, RetentionPolicy, best_names, kept_as_archive
+from .catalog import Entry
+from .known import KnownCheckpoints
+from .retention import RetentionPolicy, best_names, kept_as_archive
 
 if TYPE_CHECKING:
     from .config import CheckpointerConfig
@@ -109,49 +106,8 @@ def best(entries: Iterable[Entry], policy: RetentionPolicy, run_id: str | None) 
     return best_names(catalog.retention_candidates(entries), policy, run_id)
 
 
-class Ranked:
-    """The checkpoints of one directory its writer ranked before, by folder: at each commit
-    :func:`is_best` lists the directory once and reads the manifest of a folder it has not seen
-    (the checkpoint just committed), not of every checkpoint kept. A folder is known by its
-    name and inode (from the listing, no ``stat``): one deleted since (retention, ``gc``, a
-    hand) is forgotten, one made again under its name is read again; a committed manifest is
-    never rewritten in place (a save writes it in its staging folder, renamed whole)."""
-
-    def __init__(self, manifests: catalog.ManifestCache | None = None) -> None:
-        self._known: dict[str, tuple[int, Entry, Candidate]] = {}
-        self._manifests = manifests if manifests is not None else catalog.ManifestCache()
-        self.looked = 0  # folders whose manifest was looked at (tests count them)
-
-    def entries(self, root: str) -> list[tuple[Entry, Candidate]]:
-        """The checkpoints of ``root`` with a readable manifest, each with its retention
-        candidate (not checked: valid), in commit order as :func:`~.catalog.scan` orders them."""
-        known: dict[str, tuple[int, Entry, Candidate]] = {}
-        with os.scandir(root) as listing:
-            for d in listing:
-                if not CKPT_RE.match(d.name) or d.is_symlink() or not d.is_dir():
-                    continue
-                hit = self._known.get(d.name)
-                if hit is not None and hit[0] == d.inode():
-                    known[d.name] = hit
-                    continue
-                self.looked += 1
-                e = self._entry(d.name, d.path)
-                if e is not None:  # (one without a manifest, or unreadable: looked at again)
-                    known[d.name] = (d.inode(), e, catalog.retention_candidates([e])[0])
-        self._known = known
-        rows = [(e, c) for _, e, c in known.values()]
-        rows.sort(key=lambda r: (r[1].seq, r[1].step, r[1].name))
-        return rows
-
-    def _entry(self, name: str, path: str) -> Entry | None:
-        """The entry of checkpoint folder ``path`` at :attr:`~.catalog.Depth.NONE`, as
-        :func:`~.catalog.scan` reads it, or None where it has no readable manifest."""
-        try:
-            st = os.stat(os.path.join(path, MANIFEST_NAME))
-        except OSError:  # (none: incomplete, plain dcp.save's; unreadable: corrupt, unranked)
-            return None
-        e = catalog.check(name, path, Depth.NONE, functools.partial(self._manifests.read, st=st))
-        return e if e is not None and e.manifest is not None else None
+#: the writer's checkpoints kept between commits (its old name here)
+Ranked = KnownCheckpoints
 
 
 def is_best(
@@ -159,7 +115,7 @@ def is_best(
     name: str,
     policy: RetentionPolicy,
     run_id: str | None,
-    ranked: Ranked | None = None,
+    ranked: KnownCheckpoints | None = None,
 ) -> bool:
     """Whether checkpoint ``name`` of ``root``, just committed, is one of run ``run_id``'s best
     under ``policy`` (the remote retention): uploaded whatever ``remote_every_n_saves`` says.
@@ -178,9 +134,9 @@ def is_best(
     if not policy.keep_best:  # (no scan)
         return False
     try:
-        rows = (ranked or Ranked()).entries(root)
-        candidates = [c for _, c in rows]
-        return name in best_names(candidates, policy, run_id, _sizes_checked(rows))
+        known = ranked or KnownCheckpoints()
+        candidates = [c for _, c in known.entries(root)]
+        return name in best_names(candidates, policy, run_id, known.valid)
     except Exception as e:
         log.warning(
             "remote: uploading %s, as it may be one of the run's best (keep_best): %s could not "
@@ -191,18 +147,3 @@ def is_best(
             e,
         )
         return True
-
-
-def _sizes_checked(rows: Iterable[tuple[Entry, Candidate]]) -> Callable[[Candidate], bool]:
-    """Whether a candidate of ``rows`` (read without checks) is valid once its files' sizes
-    are checked, as :func:`~.catalog.scan` at :attr:`~.catalog.Depth.SIZE` judges it (one that
-    went away meanwhile is not)."""
-    found = {e.name: e for e, _ in rows}
-
-    def valid(c: Candidate) -> bool:
-        e = found[c.name]
-        m = e.manifest
-        checked = catalog.check(e.name, e.path, Depth.SIZE, lambda _path: m) if m else None
-        return checked is not None and checked.status is catalog.Status.VALID
-
-    return valid

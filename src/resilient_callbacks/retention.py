@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -139,11 +139,51 @@ def plan(
 ) -> Plan:
     """Decide what to keep. ``run_id`` is the current run; checkpoints of other runs are kept.
     With ``run_id=None`` every checkpoint counts as this run's (used by ``gc``)."""
-    cands = list(candidates)
+    return _plan(list(candidates), policy, run_id, set(protected))[0]
+
+
+def plan_checking(
+    candidates: Iterable[Candidate],
+    policy: RetentionPolicy,
+    run_id: str | None,
+    protected: Iterable[str],
+    valid: Callable[[Candidate], bool],
+) -> Plan:
+    """:func:`plan` of ``candidates`` whose files were not checked (``valid`` from their
+    manifests alone), asking ``valid`` (the check of a candidate's files) only of those the
+    decision depends on: each one it deletes (a corrupt one is kept), and those counted as
+    the ``keep_last`` newest or the ``keep_best`` best (a corrupt one never counts, so an
+    older one takes its place). It deletes what :func:`plan` deletes with every candidate
+    checked first: one never asked is kept for another reason (an archive point, another
+    run's, protected), which holds whether it is intact or not, and is older than the newest
+    counted and ranked below the best, whose pools it leaves as they are either way. The
+    keep reasons of one never asked assume it intact (the retention pass after each commit
+    acts on ``delete`` only; ``gc`` and ``ls`` check every checkpoint and call :func:`plan`).
+    A run keeping hundreds of archive points had the files of every one checked at every
+    commit (docs/performance.md)."""
+    cands, kept = list(candidates), set(protected)
+    said: dict[str, bool] = {}
+    while True:
+        now = [replace(c, valid=said[c.name]) if c.name in said else c for c in cands]
+        p, counted = _plan(now, policy, run_id, kept)
+        decided = counted.union(p.delete)
+        ask = [c for c in now if c.valid and c.name not in said and c.name in decided]
+        if not ask:
+            return p
+        answers = [valid(c) for c in ask]
+        said.update(zip((c.name for c in ask), answers, strict=True))
+        if all(answers):  # (as assumed: planned again, the plan would be this one)
+            return p
+
+
+def _plan(
+    cands: list[Candidate], policy: RetentionPolicy, run_id: str | None, protected: set[str]
+) -> tuple[Plan, set[str]]:
+    """:func:`plan`, and the names of the valid candidates counted as the ``keep_last``
+    newest or the ``keep_best`` best (whose validity decides which others are)."""
     # what a roll-back abandoned counts as older than the run's current lineage (branches.py)
     off = branches.off_lineage((c.run_id, c.seq, c.lineage) for c in cands)
     cands.sort(key=lambda c: ((c.run_id, c.seq) not in off, c.seq, c.step, c.name))
-    protected = set(protected)
     keep: dict[str, list[str]] = {c.name: [] for c in cands}
 
     def mark(c: Candidate, why: str) -> None:
@@ -161,14 +201,12 @@ def plan(
             mark(c, "in progress")
     if mine:
         mark(mine[-1], "newest")
-    if policy.keep_last is None:
-        for c in mine:
-            mark(c, "all")  # keep_last=None (remote_keep_last="all"): every one is kept
-    else:
-        for c in mine[-policy.keep_last :]:
-            mark(c, f"last {policy.keep_last}")
-
-    for c in _best(mine, policy, off):
+    last = mine if policy.keep_last is None else mine[-policy.keep_last :]
+    for c in last:
+        # keep_last=None (remote_keep_last="all"): every one is kept
+        mark(c, "all" if policy.keep_last is None else f"last {policy.keep_last}")
+    best = _best(mine, policy, off)
+    for c in best:
         key = str(policy.monitor)
         mark(c, f"best {key}={c.metrics[key]:.6g}")
     for c in mine:
@@ -180,7 +218,8 @@ def plan(
     delete = [c.name for c in cands if not keep[c.name]]
     gone = {c.name for c in cands if (c.run_id, c.seq) in off}
     held = _roll_back_heads(cands, {c.name for c in cands if c.name in gone and keep[c.name]})
-    return Plan({k: v for k, v in keep.items() if v}, delete, gone, held)
+    counted = {c.name for c in (*last, *best)}
+    return Plan({k: v for k, v in keep.items() if v}, delete, gone, held), counted
 
 
 def kept_as_archive(step: int, archived: bool, policy: RetentionPolicy) -> str | None:

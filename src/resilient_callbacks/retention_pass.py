@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterable
 
 from . import catalog
 from .blobs import BlobStore
-from .catalog import Depth
 from .commit import remove_checkpoints
+from .known import KnownCheckpoints
 from .redact import command
 from .repeats import Repeats, again, reason
-from .retention import RetentionPolicy, plan
+from .retention import RetentionPolicy, plan_checking
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -32,7 +32,7 @@ def apply_retention(
     blobs: BlobStore | None = None,
     discard: Callable[[str], None] | None = None,
     corrupt: Iterable[str] = (),
-    manifests: catalog.ManifestCache | None = None,
+    known: KnownCheckpoints | None = None,
     said: Repeats | None = None,
 ) -> None:
     """Coordinator: delete what ``policy`` does not keep among the committed checkpoints of
@@ -41,20 +41,22 @@ def apply_retention(
     blobs no remaining checkpoint refers to are deleted after the checkpoints. ``discard``: who
     deletes the files of a checkpoint once it is renamed out of sight (a
     :class:`~.trash.TrashBin`, in the background); here, without one. ``corrupt``: names known
-    corrupt though their sizes are right (a restore read them): kept, as corrupt. ``manifests``:
-    those read before. ``said``: the failures to delete said before (a checkpoint that cannot be
+    corrupt though their sizes are right (a restore read them): kept, as corrupt. ``known``: the
+    checkpoints the writer read at its commits before (the manifests of new folders only are
+    read; the files' sizes are checked of those the decision depends on only:
+    :func:`~.retention.plan_checking`). ``said``: the failures to delete said before (a checkpoint that cannot be
     deleted is said once, not after every save: :mod:`.repeats`). ``keep_last=None`` deletes
     nothing (:func:`~.retention.plan`): no scan."""
     if policy.keep_last is None:  # (each save read every manifest and listed file's size)
         return
-    found = set(corrupt)
+    found, known = set(corrupt), known or KnownCheckpoints()
+    try:
+        rows = known.entries(root)
+    except FileNotFoundError:  # (no directory: nothing to delete)
+        return
+    cands = [dataclasses.replace(c, valid=False) if c.name in found else c for _, c in rows]
     with catalog.blobs_read_once():  # a blob many checkpoints name: its size checked once
-        entries = catalog.scan(root, Depth.SIZE, manifests)
-    cands = [
-        dataclasses.replace(c, valid=False) if c.name in found else c
-        for c in catalog.retention_candidates(entries)
-    ]
-    p = plan(cands, policy, run_id, protected=list(protected))
+        p = plan_checking(cands, policy, run_id, protected, known.valid)
 
     def failed(name: str, e: OSError) -> None:
         path = os.path.join(root, name)

@@ -1,0 +1,135 @@
+"""What the retention pass after each commit costs, and that what it keeps between commits never
+answers for a directory that changed. The pass checked the files of every kept checkpoint at
+every commit (each listed file's size, each ``shared.json`` parsed): a run keeping hundreds of
+archive points paid for all of them at every save. It now checks those its decision depends
+on (:func:`resilient_callbacks.retention.plan_checking`) and deletes the same."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from hypothesis import given
+
+from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks.known import KnownCheckpoints
+from resilient_callbacks.retention import plan, plan_checking
+from test_retention import scenarios
+
+STATE = {"w": torch.zeros(4)}
+
+
+def _steps(root: Path) -> list[int]:
+    return sorted(int(p.parent.name[5:]) for p in root.glob("step_*/manifest.json"))
+
+
+@given(scenarios())
+def test_checking_only_what_decides_deletes_what_checking_everything_deletes(sc):
+    """Candidates read from their manifests (all valid but those known corrupt), whose files'
+    check (``valid``) finds some corrupt: the plan deletes what :func:`plan` of the checked
+    candidates deletes, and never asks twice."""
+    cands, policy, run_id, protected = sc
+    truth = {c.name: c.valid for c in cands}
+    known = {c.name for c in cands[::2] if not c.valid}  # (corrupt, said upfront: a restore)
+    read = [c if c.name in known else dataclasses.replace(c, valid=True) for c in cands]
+    asked: list[str] = []
+
+    def valid(c):  # type: ignore[no-untyped-def]
+        asked.append(c.name)
+        return truth[c.name]
+
+    got = plan_checking(read, policy, run_id, protected, valid)
+    want = plan(cands, policy, run_id, protected)
+    assert got.delete == want.delete
+    assert set(got.keep) == set(want.keep)
+    assert len(asked) == len(set(asked)) and not set(asked) & known, asked
+
+
+def test_a_commit_checks_the_files_of_a_few_checkpoints_not_of_every_one_kept(
+    tmp_path, monkeypatch
+):
+    """keep_last=2 with an archive point every 2 steps: at saves 21 to 30 (10 to 15 kept) each
+    pass checks the files of the two newest and of the one it deletes, not of every archive
+    (it checked all of them: 10 to 15 a commit)."""
+    checked: list[str] = []
+    verify = catalog.verify
+
+    def counted(path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        checked.append(os.path.basename(path))
+        return verify(path, *args, **kwargs)
+
+    monkeypatch.setattr(catalog, "verify", counted)
+    opts = {"keep_last": 2, "keep_every_n_steps": 2, "capture_rng": False}
+    with Checkpointer(str(tmp_path), async_save=False, preemption=False, **opts) as ck:
+        for step in range(1, 21):
+            ck.save(step, STATE)
+        checked.clear()
+        for step in range(21, 31):
+            ck.save(step, STATE)
+    assert len(checked) <= 10 * 3, checked
+    assert _steps(tmp_path) == [*range(2, 30, 2), 29, 30]
+
+
+def test_a_checkpoint_corrupted_between_commits_is_seen_at_the_next(tmp_path):
+    """keep_last=2: step 3, one of the two newest, loses a byte of its tensors between two
+    commits. At the next pass it does not count (kept, as corrupt), so step 2 stays as one of
+    the two newest valid instead of being deleted."""
+    with Checkpointer(str(tmp_path), keep_last=2, async_save=False, preemption=False) as ck:
+        for step in (1, 2, 3):
+            ck.save(step, STATE)
+        assert _steps(tmp_path) == [2, 3]
+        tensors = tmp_path / "step_000000003" / "rank_00000.safetensors"
+        tensors.write_bytes(tensors.read_bytes()[:-1])
+        ck.save(4, STATE)
+        assert _steps(tmp_path) == [2, 3, 4]
+        ck.save(5, STATE)  # (step 3 stays: corrupt ones are left for inspection)
+        assert _steps(tmp_path) == [3, 4, 5]
+
+
+def test_a_checkpoint_deleted_or_replaced_between_commits_is_seen_at_the_next(tmp_path):
+    """keep_last=1 and the best by loss: step 1 (loss 0.5) is the best. Replaced under its
+    name by a copy of step 3 (loss 3.0: a hand, a pull), it no longer is: the next pass keeps
+    step 4 (loss 1.0) as the best and the newest, and deletes the copy; step 4 deleted by hand
+    before the next save is not counted either."""
+    opts = {"keep_last": 1, "keep_best": 1, "monitor": "loss", "capture_rng": False}
+    with Checkpointer(str(tmp_path), async_save=False, preemption=False, **opts) as ck:
+        for step, loss in ((1, 0.5), (2, 2.0), (3, 3.0)):
+            ck.save(step, STATE, metrics={"loss": loss})
+        assert _steps(tmp_path) == [1, 3]
+        shutil.copytree(tmp_path / "step_000000003", tmp_path / "copy")
+        shutil.rmtree(tmp_path / "step_000000001")
+        os.rename(tmp_path / "copy", tmp_path / "step_000000001")
+        ck.save(4, STATE, metrics={"loss": 1.0})
+        assert _steps(tmp_path) == [4]
+        ck.save(5, STATE, metrics={"loss": 5.0})
+        assert _steps(tmp_path) == [4, 5]
+        shutil.rmtree(tmp_path / "step_000000004")
+        ck.save(6, STATE, metrics={"loss": 6.0})
+        assert _steps(tmp_path) == [5, 6]  # (the best of those left: step 5)
+
+
+def test_a_manifest_no_longer_the_file_read_is_never_counted_and_is_read_again(tmp_path):
+    """A manifest rewritten in place (by hand: another loss), its folder's inode unchanged: what
+    was read at the commit before is not taken for it. Asked, it is not valid (kept, not counted);
+    the next listing reads it again and sees the loss now written."""
+    with Checkpointer(str(tmp_path), keep_last=None, async_save=False, preemption=False) as ck:
+        for step in (1, 2):
+            ck.save(step, STATE, metrics={"loss": float(step)})
+    known = KnownCheckpoints()
+    first = {c.name: c for _, c in known.entries(str(tmp_path))}
+    assert known.looked == 2 and first["step_000000001"].metrics == {"loss": 1.0}
+    path = tmp_path / "step_000000001" / "manifest.json"
+    doc = json.loads(path.read_bytes())
+    doc["metrics"] = {"loss": 0.25}
+    del doc["manifest_xxh3_64"]  # (its own checksum: would call the edit damage)
+    path.write_text(json.dumps(doc, indent=1))
+    again = {c.name: c for _, c in known.entries(str(tmp_path))}
+    assert known.looked == 2  # (the folder is the same one: not read at the listing)
+    assert not known.valid(again["step_000000001"]) and known.valid(again["step_000000002"])
+    fresh = {c.name: c for _, c in known.entries(str(tmp_path))}
+    assert known.looked == 3 and fresh["step_000000001"].metrics == {"loss": 0.25}
+    assert known.valid(fresh["step_000000001"])
