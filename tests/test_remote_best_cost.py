@@ -12,9 +12,10 @@ from pathlib import Path
 
 import torch
 
-from resilient_callbacks import Checkpointer, catalog, remote_best
+from resilient_callbacks import Checkpointer, catalog, known, remote_best
 from resilient_callbacks.manifest import read_manifest
 from resilient_callbacks.retention import RetentionPolicy
+from test_retention_cost import _SameInodes
 
 
 def _committed(remote: Path) -> list[str]:
@@ -124,3 +125,25 @@ def test_a_corrupt_checkpoint_is_never_one_of_the_best(tmp_path):
             ck.save(step, state, metrics={"loss": loss})
     uploaded = _committed(tmp_path / "durable")  # (step 1's upload may have met the damage)
     assert "step_000000002" in uploaded and "step_000000003" not in uploaded, uploaded
+
+
+def test_a_commit_under_the_name_and_inode_of_a_checkpoint_just_deleted_is_ranked_by_its_own(
+    tmp_path, monkeypatch
+):
+    """keep_last=1, keep_best=1 by loss, and a roll-back to step 1: the pass after the branch's
+    step 2 deletes the abandoned step 3, and the next save, step 3 again (loss 0.05: the best),
+    is committed under its name in a folder with its inode (ext4 reuses a freed inode at once).
+    Its own manifest is ranked, not the deleted folder's (loss 6.0): it is uploaded."""
+    monkeypatch.setattr(known, "os", _SameInodes())
+    local, state = tmp_path / "ck", {"w": torch.zeros(4)}
+    opts = {**_opts(tmp_path), "keep_last": 1}
+    with Checkpointer(str(local), **opts) as ck:
+        for step, loss in ((1, 0.1), (2, 5.0), (3, 6.0)):
+            ck.save(step, state, metrics={"loss": loss})
+    with Checkpointer(str(local), resume=1, **opts) as ck:
+        assert ck.restore(state) == 1
+        for step, loss in ((2, 5.0), (3, 0.05), (4, 7.0)):
+            ck.save(step, state, metrics={"loss": loss})
+    durable = tmp_path / "durable"
+    losses = [read_manifest(str(durable / n)).metrics["loss"] for n in _committed(durable)]
+    assert 0.05 in losses, losses

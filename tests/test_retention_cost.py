@@ -6,16 +6,18 @@ on (:func:`resilient_callbacks.retention.plan_checking`) and deletes the same.""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import torch
 from hypothesis import given
 
-from resilient_callbacks import Checkpointer, catalog
+from resilient_callbacks import Checkpointer, catalog, known
 from resilient_callbacks.known import KnownCheckpoints
 from resilient_callbacks.retention import plan, plan_checking
 from test_retention import scenarios
@@ -133,3 +135,51 @@ def test_a_manifest_no_longer_the_file_read_is_never_counted_and_is_read_again(t
     fresh = {c.name: c for _, c in known.entries(str(tmp_path))}
     assert known.looked == 3 and fresh["step_000000001"].metrics == {"loss": 0.25}
     assert known.valid(fresh["step_000000001"])
+
+
+class _SameInodes:
+    """:mod:`os` as :mod:`resilient_callbacks.known` sees it on a filesystem that gives a folder
+    made again under the name of one just deleted the deleted one's inode (ext4 often does):
+    each folder's inode in a listing is its name's."""
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(os, name)
+
+    @contextlib.contextmanager
+    def scandir(self, path):  # type: ignore[no-untyped-def]
+        class Entry:
+            def __init__(self, d):  # type: ignore[no-untyped-def]
+                self.d = d
+
+            def __getattr__(self, name):  # type: ignore[no-untyped-def]
+                return getattr(self.d, name)
+
+            def inode(self):  # type: ignore[no-untyped-def]
+                return zlib.crc32(self.d.name.encode())
+
+        with os.scandir(path) as listing:
+            yield [Entry(d) for d in listing]
+
+
+def test_a_commit_under_the_name_and_inode_of_a_checkpoint_just_deleted_is_read(
+    tmp_path, monkeypatch
+):
+    """keep_last=1, keep_best=1 by loss; a roll-back to step 1 (the best) while 3 exists. The
+    pass after the new branch's step 2 deletes the abandoned step 3, and the next save, step 3
+    again, is committed under its name, in a folder with its inode. That save's manifest is
+    read, not the one of the folder deleted (an abandoned commit, older than step 2): it is
+    the newest, and the pass deletes step 2, as a scan of every manifest does (it kept it)."""
+    monkeypatch.setattr(known, "os", _SameInodes())
+    opts = {"keep_last": 1, "keep_best": 1, "monitor": "loss", "capture_rng": False}
+    run = {"async_save": False, "preemption": False, **opts}
+    with Checkpointer(str(tmp_path), **run) as ck:
+        for step, loss in ((1, 0.1), (2, 5.0), (3, 6.0)):
+            ck.save(step, STATE, metrics={"loss": loss})
+    assert _steps(tmp_path) == [1, 3]
+    state = {"w": torch.zeros(4)}
+    with Checkpointer(str(tmp_path), resume=1, **run) as ck:
+        assert ck.restore(state) == 1
+        ck.save(2, state, metrics={"loss": 5.0})
+        assert _steps(tmp_path) == [1, 2]  # (the abandoned step 3 deleted)
+        ck.save(3, state, metrics={"loss": 6.0})
+        assert _steps(tmp_path) == [1, 3]

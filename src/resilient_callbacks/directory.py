@@ -274,6 +274,7 @@ class Directory:
         that ``policy`` (the remote retention) keeps: uploaded though ``remote_every_n_saves``
         skips it (:mod:`.remote_best`)."""
         with self._retention_lock:  # (the manifests the retention passes parse, and delete)
+            self.known.forget(name)  # (its name and inode may be those of one deleted since)
             return remote_best.is_best(self.dirpath, name, policy, self.run_id, self.known)
 
     def committed(self, seq: int) -> None:
@@ -348,6 +349,8 @@ class Directory:
             return
         with self._retention_lock:  # the persist and the upload threads both call this
             protected = self.protected(protect)
+            if protect:  # (just committed: maybe with the name and inode of one deleted)
+                self.known.forget(protect)
             if self.sync is not None:
                 protected += self.sync.pending()
             apply_retention(

@@ -26,7 +26,8 @@ _Key = tuple[int, int, int, int, int]  # a manifest file's device, inode, size, 
 class KnownCheckpoints:
     """The checkpoints of one directory its writer read before, by folder. A folder is known
     by its name and inode (from the listing, no ``stat``): one deleted since (retention,
-    ``gc``, a hand) is forgotten, one made again under its name is read again; a committed
+    ``gc``, a hand) is forgotten, one made again under its name is read again (one the writer
+    just committed, whose inode may be the deleted one's, too: :meth:`forget`); a committed
     manifest is never rewritten in place (a save writes it in its staging folder, renamed
     whole). Whether a checkpoint's files are intact is never kept: :meth:`valid` checks them
     each time it is asked (a file damaged between two commits is seen at the next), and
@@ -63,6 +64,14 @@ class KnownCheckpoints:
         rows = [(e, c) for _, _, e, c in known.values()]
         rows.sort(key=lambda r: (r[1].seq, r[1].step, r[1].name))
         return rows
+
+    def forget(self, name: str) -> None:
+        """Read checkpoint folder ``name`` again at the next :meth:`entries`: the writer just
+        committed it (or restored from it), maybe under the name of one deleted since the last
+        listing and in a folder with that one's inode (ext4 gives a freed inode to the next
+        folder made: after a roll-back, the branch's saves take the names of the abandoned
+        checkpoints the passes before deleted), so neither its name nor its inode tells."""
+        self._known.pop(name, None)
 
     def valid(self, c: Candidate) -> bool:
         """Whether candidate ``c`` of the last :meth:`entries` is valid once its files' sizes

@@ -189,6 +189,8 @@ class NodeDirectory(Directory):
             return
         with self._retention_lock:
             protected = self.protected(protect)
+            if protect:  # (just committed: maybe with the name and inode of one deleted)
+                self.known.forget(protect)
             if self.uploader is not None:
                 protected += self.uploader.held()
             if self.committer is not None:
