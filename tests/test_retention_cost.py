@@ -138,8 +138,8 @@ def test_a_checkpoint_deleted_or_replaced_between_commits_is_seen_at_the_next(tm
 
 def test_a_manifest_no_longer_the_file_read_is_never_counted_and_is_read_again(tmp_path):
     """A manifest rewritten in place (by hand: another loss), its folder's inode unchanged: what
-    was read at the commit before is not taken for it. Asked, it is not valid (kept, not counted);
-    the next listing reads it again and sees the loss now written."""
+    was read at the commit before is not taken for it. The next listing sees its file changed
+    (one ``stat`` a folder) and reads it again: the loss now written, valid."""
     with Checkpointer(str(tmp_path), keep_last=None, async_save=False, preemption=False) as ck:
         for step in (1, 2):
             ck.save(step, STATE, metrics={"loss": float(step)})
@@ -152,11 +152,30 @@ def test_a_manifest_no_longer_the_file_read_is_never_counted_and_is_read_again(t
     del doc["manifest_xxh3_64"]  # (its own checksum: would call the edit damage)
     path.write_text(json.dumps(doc, indent=1))
     again = {c.name: c for _, c in known.entries(str(tmp_path))}
-    assert known.looked == 2  # (the folder is the same one: not read at the listing)
-    assert not known.valid(again["step_000000001"]) and known.valid(again["step_000000002"])
-    fresh = {c.name: c for _, c in known.entries(str(tmp_path))}
-    assert known.looked == 3 and fresh["step_000000001"].metrics == {"loss": 0.25}
-    assert known.valid(fresh["step_000000001"])
+    assert known.looked == 3 and again["step_000000001"].metrics == {"loss": 0.25}
+    assert known.valid(again["step_000000001"]) and known.valid(again["step_000000002"])
+    assert {c.name: c for _, c in known.entries(str(tmp_path))} == again
+    assert known.looked == 3  # (nothing changed since: nothing read)
+
+
+def test_a_folder_made_again_with_a_deleted_ones_name_and_inode_is_read_at_the_listing(
+    tmp_path, monkeypatch
+):
+    """Step 2's folder deleted and another checkpoint put in its place (another thread's
+    save renamed in, a copy), with its inode (ext4 gives a freed one to the next folder made),
+    and nobody calls :meth:`~.KnownCheckpoints.forget`: the next listing reads its manifest, not
+    the deleted one's (the manifest file's identity differs, whatever the folder's inode)."""
+    monkeypatch.setattr(known, "os", _SameInodes())
+    with Checkpointer(str(tmp_path), keep_last=None, async_save=False, preemption=False) as ck:
+        for step in (1, 2):
+            ck.save(step, STATE, metrics={"loss": float(step)})
+    cache = KnownCheckpoints()
+    first = {c.name: c for _, c in cache.entries(str(tmp_path))}
+    assert cache.looked == 2 and first["step_000000002"].metrics == {"loss": 2.0}
+    shutil.rmtree(tmp_path / "step_000000002")
+    shutil.copytree(tmp_path / "step_000000001", tmp_path / "step_000000002")
+    again = {c.name: c for _, c in cache.entries(str(tmp_path))}
+    assert cache.looked == 3 and again["step_000000002"].metrics == {"loss": 1.0}
 
 
 class _SameInodes:

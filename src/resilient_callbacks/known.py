@@ -25,7 +25,8 @@ _Key = tuple[int, int, int, int, int]  # a manifest file's device, inode, size, 
 
 class KnownCheckpoints:
     """The checkpoints of one directory its writer read before, by folder. A folder is known
-    by its name and inode (from the listing, no ``stat``): one deleted since (retention,
+    by its name, its inode and its manifest file's identity (:func:`_key`: one ``stat`` a
+    folder a listing, no read): one deleted since (retention,
     ``gc``, a hand) is forgotten, one made again under its name is read again (one the writer
     just committed, whose inode may be the deleted one's, too: :meth:`forget`); a committed
     manifest is never rewritten in place (a save writes it in its staging folder, renamed
@@ -52,7 +53,11 @@ class KnownCheckpoints:
                 if not CKPT_RE.match(d.name) or d.is_symlink() or not d.is_dir():
                     continue
                 hit = self._known.get(d.name)
-                if hit is not None and hit[0] == d.inode():
+                # (its manifest's stat too, not the folder's inode alone: a folder made again
+                # under a deleted one's name may get its inode back, ext4 giving a freed one to
+                # the next folder made; a save renamed in by another thread of the writer, the
+                # uploads', between a listing and :meth:`forget`, included)
+                if hit is not None and hit[0] == d.inode() and _key(d.path) == hit[1]:
                     known[d.name] = hit
                     continue
                 self.looked += 1
