@@ -1292,7 +1292,7 @@ def test_deepspeed_strategy_sigkill_then_rerun_is_bit_exact(tmp_path, stage):
         deferred = (run / "deferred.rank0").read_text().split()
         assert deferred and all(int(n) > 0 for n in deferred), deferred
     resumed = _restored(err)
-    assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (resumed, killed)
+    assert 0 < resumed <= killed and killed - resumed <= 2 * EVERY, (resumed, killed)
     assert "nothing is being checkpointed" not in err and UNRELIABLE not in err
     committed = _committed(run / "ckpt")
     assert len(committed) == 3  # keep_last=3, from the DeepSpeed config's section
@@ -1339,7 +1339,7 @@ def test_sigkill_then_sigterm_then_rerun_is_bit_exact(tmp_path, reference):
     os.kill(p.pid, signal.SIGTERM)
     err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
     resumed = _restored(err2)
-    assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (killed, resumed)
+    assert 0 < resumed <= killed and killed - resumed <= 2 * EVERY, (killed, resumed)
     last = _records(jsonl)[-1]["step"]
     newest = _committed(tmp_path / "ckpt")[-1]
     assert newest.step == last and newest.manifest.reason == "emergency", err2
@@ -1388,7 +1388,7 @@ def test_stateful_dataloader_sigkill_then_slurm_sigusr1_then_rerun_is_bit_exact(
     err2 = _finish(p, tmp_path / "err2.txt", expect=RESUMABLE_EXIT_CODE)
     assert "(SLURMEnvironment)" in err2  # Lightning did see a Slurm job
     resumed = _restored(err2)
-    assert 0 < resumed <= killed and killed - resumed < 2 * EVERY, (killed, resumed)
+    assert 0 < resumed <= killed and killed - resumed <= 2 * EVERY, (killed, resumed)
     last = _records(jsonl)[-1]["step"]
     emergencies = [e for e in _committed(tmp_path / "ckpt") if e.manifest.reason == "emergency"]
     assert [e.step for e in emergencies] == [last], err2
@@ -1474,7 +1474,7 @@ def test_two_processes_sigkill_then_rerun_is_bit_exact(tmp_path, strategy):
     errs = _Job(run, "err2", *more).finish()
     resumed = [_restored(e, r) for r, e in enumerate(errs)]
     assert resumed[0] == resumed[1] and 0 < resumed[0] <= killed, (resumed, killed)
-    assert killed - resumed[0] < 2 * EVERY, (resumed, killed)
+    assert killed - resumed[0] <= 2 * EVERY, (resumed, killed)
     assert not [e for e in errs if UNRELIABLE in e]
     assert {e.manifest.world_size for e in _committed(run / "ckpt")} == {2}
     if not strategy.startswith("ddp"):  # the weights and Adam moments: each rank's own files
