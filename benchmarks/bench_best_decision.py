@@ -22,15 +22,12 @@ the newest checkpoint, as the commit calls it) timed ``--reps`` times. Writes
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from typing import Any
 
-from common import library_version, write_results
+from common import per_size_main
 
 
 def run(root: str, sizes: list[int], window: int, reps: int, best: bool) -> dict[str, Any]:
@@ -71,38 +68,14 @@ def run(root: str, sizes: list[int], window: int, reps: int, best: bool) -> dict
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="10,100,500", help="checkpoints kept, comma-separated")
-    ap.add_argument("--window", type=int, default=5, help="saves up to N whose median is taken")
-    ap.add_argument("--reps", type=int, default=20, help="decisions timed at each N")
-    ap.add_argument("--dir", default=None, help="where the runs write (a temporary folder)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
-    runs = {}
-    for label, best in (("baseline", False), ("keep_best", True)):
-        work = tempfile.mkdtemp(prefix="rc-bench-best-", dir=args.dir)
-        try:
-            runs[label] = run(work, sizes, args.window, args.reps, best)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    lines = [
-        f"# bench_best_decision (sizes {args.sizes}, median of {args.window} saves, "
-        f"{args.reps} decisions; library {library_version()}, {os.cpu_count()} cpus)",
-        "",
-        "| checkpoints kept | save() baseline, ms | save() keep_best, ms | decision, ms |",
-        "|---:|---:|---:|---:|",
-    ]
-    for n in sizes:
-        b, k = runs["baseline"], runs["keep_best"]
-        lines.append(
-            f"| {n} | {b['save_ms'][n]:.2f} | {k['save_ms'][n]:.2f} | {k['decision_ms'][n]:.2f} |"
-        )
-    md = "\n".join(lines) + "\n"
-    write_results(args.out, "bench_best_decision", {"sizes": sizes, "runs": runs}, md)
-    print()
-    print(md)
-    return 0
+    return per_size_main(
+        __doc__,
+        "bench_best_decision",
+        run,
+        ("baseline", "keep_best"),
+        "decision",
+        "decisions timed at each N",
+    )
 
 
 if __name__ == "__main__":

@@ -21,15 +21,12 @@ At each size N of ``--sizes``: the median ``save()`` of the last ``--window`` sa
 
 from __future__ import annotations
 
-import argparse
 import os
-import shutil
 import statistics
-import tempfile
 import time
 from typing import Any
 
-from common import library_version, write_results
+from common import per_size_main
 
 
 def run(root: str, sizes: list[int], window: int, reps: int, retention: bool) -> dict[str, Any]:
@@ -68,38 +65,14 @@ def run(root: str, sizes: list[int], window: int, reps: int, retention: bool) ->
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sizes", default="10,100,500", help="checkpoints kept, comma-separated")
-    ap.add_argument("--window", type=int, default=5, help="saves up to N whose median is taken")
-    ap.add_argument("--reps", type=int, default=20, help="passes timed at each N")
-    ap.add_argument("--dir", default=None, help="where the runs write (a temporary folder)")
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = ap.parse_args()
-    sizes = sorted({int(s) for s in args.sizes.split(",")})
-    runs = {}
-    for label, retention in (("baseline", False), ("retention", True)):
-        work = tempfile.mkdtemp(prefix="rc-bench-retention-", dir=args.dir)
-        try:
-            runs[label] = run(work, sizes, args.window, args.reps, retention)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-    lines = [
-        f"# bench_retention_pass (sizes {args.sizes}, median of {args.window} saves, "
-        f"{args.reps} passes; library {library_version()}, {os.cpu_count()} cpus)",
-        "",
-        "| checkpoints kept | save() baseline, ms | save() retention, ms | pass, ms |",
-        "|---:|---:|---:|---:|",
-    ]
-    for n in sizes:
-        b, r = runs["baseline"], runs["retention"]
-        lines.append(
-            f"| {n} | {b['save_ms'][n]:.2f} | {r['save_ms'][n]:.2f} | {r['pass_ms'][n]:.2f} |"
-        )
-    md = "\n".join(lines) + "\n"
-    write_results(args.out, "bench_retention_pass", {"sizes": sizes, "runs": runs}, md)
-    print()
-    print(md)
-    return 0
+    return per_size_main(
+        __doc__,
+        "bench_retention_pass",
+        run,
+        ("baseline", "retention"),
+        "pass",
+        "passes timed at each N",
+    )
 
 
 if __name__ == "__main__":

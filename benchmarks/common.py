@@ -152,3 +152,50 @@ def host_copies(tensors: list[Any], reps: int = 3) -> tuple[list[Any], float]:
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return bufs, best
+
+
+def per_size_main(
+    doc: str, name: str, run: Any, labels: tuple[str, str], timed: str, reps_help: str
+) -> int:
+    """The command line, runs and report of a benchmark of what one step of each commit costs
+    as the directory holds more checkpoints (``bench_best_decision``, ``bench_retention_pass``):
+    ``run(work, sizes, window, reps, on)`` once with the step off (``labels[0]``, the baseline)
+    and once on (``labels[1]``), each in a temporary folder of its own, returning
+    ``{"save_ms": {n: ms}, f"{timed}_ms": {n: ms}}``; writes ``<name>.{json,md}`` into
+    ``--out``."""
+    import argparse
+    import shutil
+    import tempfile
+
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--sizes", default="10,100,500", help="checkpoints kept, comma-separated")
+    ap.add_argument("--window", type=int, default=5, help="saves up to N whose median is taken")
+    ap.add_argument("--reps", type=int, default=20, help=reps_help)
+    ap.add_argument("--dir", default=None, help="where the runs write (a temporary folder)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    sizes = sorted({int(s) for s in args.sizes.split(",")})
+    runs = {}
+    for label, on in ((labels[0], False), (labels[1], True)):
+        work = tempfile.mkdtemp(prefix=f"rc-{name}-", dir=args.dir)
+        try:
+            runs[label] = run(work, sizes, args.window, args.reps, on)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    lines = [
+        f"# {name} (sizes {args.sizes}, median of {args.window} saves, "
+        f"{args.reps} {reps_help.split()[0]}; library {library_version()}, {os.cpu_count()} cpus)",
+        "",
+        f"| checkpoints kept | save() {labels[0]}, ms | save() {labels[1]}, ms | {timed}, ms |",
+        "|---:|---:|---:|---:|",
+    ]
+    for n in sizes:
+        b, k = runs[labels[0]], runs[labels[1]]
+        lines.append(
+            f"| {n} | {b['save_ms'][n]:.2f} | {k['save_ms'][n]:.2f} | {k[f'{timed}_ms'][n]:.2f} |"
+        )
+    md = "\n".join(lines) + "\n"
+    write_results(args.out, name, {"sizes": sizes, "runs": runs}, md)
+    print()
+    print(md)
+    return 0
