@@ -167,3 +167,48 @@ def test_a_best_checkpoint_the_store_dropped_may_have_been_deleted_by_its_retent
     said = caplog.text
     assert "not uploading step 2 (commit 1), step 4 (commit 2) again" in said, said
     assert "step(s) 2, best on the nodes' disks (keep_best), maybe by the remote retention" in said
+
+
+def test_a_checkpoint_a_restore_found_corrupt_is_not_ranked_above_the_best(tmp_path):
+    """A restore found the newest checkpoint (step 20, loss 1) corrupt by its checksum (same
+    size) and fell back to step 10 (loss 5), saved before the run had a remote tier. The
+    restart's retention pass did not count step 20, but its best decision ranked it first:
+    step 10, the best of the valid ones, was not due and never uploaded (the later saves are
+    worse: none of them is the best), so the run's true best was on the local disk only."""
+    from resilient_callbacks.errors import ResumeFallbackWarning
+
+    local, remote = tmp_path / "local", tmp_path / "durable"
+    state = {"w": torch.zeros(4)}
+    opts: dict = {"keep_last": 2, "keep_best": 1, "monitor": "loss", "async_save": False}
+    with Checkpointer(local, **opts) as ck:
+        for step, loss in ((10, 5.0), (20, 1.0)):
+            ck.save(step, state, metrics={"loss": loss})
+    f = next((local / "step_000000020").glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))  # same size, wrong checksum
+    opts |= {"keep_last": 1, "remote": f"file://{remote}", "remote_every_n_saves": 100}
+    with pytest.warns(ResumeFallbackWarning, match="checksum"), Checkpointer(local, **opts) as ck:
+        assert ck.restore(state) == 10
+        for step, loss in ((30, 6.0), (40, 7.0)):
+            ck.save(step, state, metrics={"loss": loss})
+    assert _committed(remote) == ["step_000000010"]
+    assert (local / "step_000000020").is_dir()  # (kept as corrupt, for inspection)
+
+
+def test_the_best_decision_never_counts_a_checkpoint_a_restore_found_corrupt(tmp_path):
+    """is_best, asked at each commit, ranks as the retention pass counts: a checkpoint a
+    restore found corrupt (``Directory.found_corrupt``) is never one of the best. (At a
+    commit it is on a branch the roll-back abandoned, ranked after the lineage's anyway.)"""
+    from resilient_callbacks import remote_best
+    from resilient_callbacks.manifest import read_manifest
+    from resilient_callbacks.retention import RetentionPolicy
+
+    with Checkpointer(tmp_path, keep_last=2, keep_best=1, monitor="loss") as ck:
+        for step, loss in ((10, 5.0), (20, 1.0)):
+            ck.save(step, {"w": torch.zeros(4)}, metrics={"loss": loss})
+    run = read_manifest(str(tmp_path / "step_000000010")).run_id
+    policy = RetentionPolicy(keep_last=1, keep_best=1, monitor="loss")
+    root, ten, twenty = str(tmp_path), "step_000000010", "step_000000020"
+    assert not remote_best.is_best(root, ten, policy, run)
+    assert remote_best.is_best(root, ten, policy, run, corrupt={twenty})
+    assert not remote_best.is_best(root, twenty, policy, run, corrupt={twenty})

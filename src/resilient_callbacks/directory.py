@@ -275,7 +275,9 @@ class Directory:
         skips it (:mod:`.remote_best`)."""
         with self._retention_lock:  # (the manifests the retention passes parse, and delete)
             self.known.forget(name)  # (its name and inode may be those of one deleted since)
-            return remote_best.is_best(self.dirpath, name, policy, self.run_id, self.known)
+            return remote_best.is_best(
+                self.dirpath, name, policy, self.run_id, self.known, self.found_corrupt
+            )
 
     def committed(self, seq: int) -> None:
         """Every rank, once the checkpoint of commit number ``seq`` is committed (before the

@@ -253,7 +253,7 @@ def _plan(d: NodeDirectory, remote_keys: set[tuple[str, int]] | None) -> tuple[A
     older: list[Any] = []
     entries = catalog.scan(d.dirpath, Depth.SIZE)
     policy = d.config.remote_retention_policy()
-    best = remote_best.best(entries, policy, d.run_id)
+    best = remote_best.best(entries, policy, d.run_id, d.found_corrupt)
     for e in entries:
         m = e.manifest
         if m is None or e.status is not Status.VALID or m.run_id != d.run_id:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from . import catalog
 from .catalog import Entry
 from .known import KnownCheckpoints
-from .retention import RetentionPolicy, best_names, kept_as_archive
+from .retention import RetentionPolicy, best_names, found_corrupt, kept_as_archive
 
 if TYPE_CHECKING:
     from .config import CheckpointerConfig
@@ -98,12 +98,20 @@ def every_save_uploaded(config: CheckpointerConfig) -> str | None:
     )
 
 
-def best(entries: Iterable[Entry], policy: RetentionPolicy, run_id: str | None) -> set[str]:
+def best(
+    entries: Iterable[Entry],
+    policy: RetentionPolicy,
+    run_id: str | None,
+    corrupt: Iterable[str] = (),
+) -> set[str]:
     """Of a directory's checkpoints ``entries``, the names of run ``run_id``'s that
-    ``policy`` (the remote retention) keeps as its best; none without ``keep_best``."""
+    ``policy`` (the remote retention) keeps as its best; none without ``keep_best``.
+    ``corrupt``: names a restore found corrupt (checksums; their sizes right), never counted
+    (:func:`~.retention.found_corrupt`, as the retention pass counts them): a restart ranked
+    the corrupt newest checkpoint it fell back from above the valid best, which stayed local."""
     if not policy.keep_best:
         return set()
-    return best_names(catalog.retention_candidates(entries), policy, run_id)
+    return best_names(found_corrupt(catalog.retention_candidates(entries), corrupt), policy, run_id)
 
 
 #: the writer's checkpoints kept between commits (its old name here)
@@ -116,10 +124,12 @@ def is_best(
     policy: RetentionPolicy,
     run_id: str | None,
     ranked: KnownCheckpoints | None = None,
+    corrupt: Iterable[str] = (),
 ) -> bool:
     """Whether checkpoint ``name`` of ``root``, just committed, is one of run ``run_id``'s best
     under ``policy`` (the remote retention): uploaded whatever ``remote_every_n_saves`` says.
-    ``ranked``: the directory's writer's, from its commits before. Never raises (node-local: the
+    ``ranked``: the directory's writer's, from its commits before; ``corrupt``: names a
+    restore found corrupt, never counted (as in :func:`best`). Never raises (node-local: the
     coordinator decides for every node, which wait for its answer): a directory it cannot
     read counts it as best, said at WARNING (one upload too many is harmless; the best
     missing from the store is not).
@@ -135,7 +145,7 @@ def is_best(
         return False
     try:
         known = ranked or KnownCheckpoints()
-        candidates = [c for _, c in known.entries(root)]
+        candidates = found_corrupt((c for _, c in known.entries(root)), corrupt)
         return name in best_names(candidates, policy, run_id, known.valid)
     except Exception as e:
         log.warning(

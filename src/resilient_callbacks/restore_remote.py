@@ -109,7 +109,7 @@ def reconcile_uploads(ck: Checkpointer) -> None:
     remote_entries = d.sync.entries()  # listed by this restore's merge_tiers
     entries = d.checkpoints()
     # (an archive point or one of the best: due whatever the interval)
-    best = remote_best.best(entries, d.sync.policy, d.run_id)
+    best = remote_best.best(entries, d.sync.policy, d.run_id, d.found_corrupt)
     local = [
         e
         for e in entries

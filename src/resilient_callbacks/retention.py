@@ -222,6 +222,14 @@ def _plan(
     return Plan({k: v for k, v in keep.items() if v}, delete, gone, held), counted
 
 
+def found_corrupt(candidates: Iterable[Candidate], corrupt: Iterable[str]) -> list[Candidate]:
+    """``candidates``, those named in ``corrupt`` (found corrupt by a restore's checksums, their
+    sizes right) marked not valid: never counted as one of the newest or the best, by the
+    retention pass and the best decision (:mod:`.remote_best`) alike."""
+    found = set(corrupt)
+    return [replace(c, valid=False) if c.name in found else c for c in candidates]
+
+
 def kept_as_archive(step: int, archived: bool, policy: RetentionPolicy) -> str | None:
     """Why :func:`plan` keeps a checkpoint of ``step`` forever as an archive point under
     ``policy`` (``archived``: it was one under the policy recorded when it was written), or

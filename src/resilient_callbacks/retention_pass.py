@@ -7,7 +7,6 @@ Which ranks call what: only the coordinator (the directory's writer, who holds i
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shlex
@@ -19,7 +18,7 @@ from .commit import remove_checkpoints
 from .known import KnownCheckpoints
 from .redact import command
 from .repeats import Repeats, again, reason
-from .retention import RetentionPolicy, plan_checking
+from .retention import RetentionPolicy, found_corrupt, plan_checking
 
 log = logging.getLogger("resilient_callbacks")
 
@@ -49,12 +48,12 @@ def apply_retention(
     nothing (:func:`~.retention.plan`): no scan."""
     if policy.keep_last is None:  # (each save read every manifest and listed file's size)
         return
-    found, known = set(corrupt), known or KnownCheckpoints()
+    known = known or KnownCheckpoints()
     try:
         rows = known.entries(root)
     except FileNotFoundError:  # (no directory: nothing to delete)
         return
-    cands = [dataclasses.replace(c, valid=False) if c.name in found else c for _, c in rows]
+    cands = found_corrupt((c for _, c in rows), corrupt)
     with catalog.blobs_read_once():  # a blob many checkpoints name: its size checked once
         p = plan_checking(cands, policy, run_id, protected, known.valid)
 
