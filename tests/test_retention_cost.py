@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 
 from resilient_callbacks import Checkpointer, catalog, known
 from resilient_callbacks.known import KnownCheckpoints
-from resilient_callbacks.retention import plan, plan_checking
+from resilient_callbacks.retention import RetentionPolicy, plan, plan_checking
+from resilient_callbacks.session import CommitSession
 from test_retention import scenarios
 
 STATE = {"w": torch.zeros(4)}
@@ -96,6 +97,36 @@ def test_a_commit_checks_the_files_of_a_few_checkpoints_not_of_every_one_kept(
             ck.save(step, STATE)
     assert len(checked) <= 10 * 3, checked
     assert _steps(tmp_path) == [*range(2, 30, 2), 29, 30]
+
+
+def test_commit_sessions_of_one_directory_read_the_manifest_of_each_new_checkpoint_once(
+    tmp_path, monkeypatch
+):
+    """CommitSessions used without a Checkpointer, one per save (a script's, a DeepSpeed
+    engine's): each session's retention pass read every kept manifest (20 kept, 5 saves: 52
+    reads). The passes now share what they read, by directory: 21 at the first, 1 a save after
+    it; and delete what they deleted (keep_last=2 over archive points every 4 steps)."""
+    reads: list[str] = []
+    entry = known._entry
+
+    def counted(name, path):  # type: ignore[no-untyped-def]
+        reads.append(name)
+        return entry(name, path)
+
+    root = tmp_path / "ck"
+    for step in range(1, 21):
+        session = CommitSession(root, step, run_id="r" * 16, seq=step)
+        session.begin()
+        session.commit()
+    monkeypatch.setattr(known, "_entry", counted)
+    policy = RetentionPolicy(keep_last=2, keep_every_n_steps=4)
+    for step in range(21, 26):
+        session = CommitSession(root, step, run_id="r" * 16, seq=step, retention=policy)
+        session.begin()
+        session.commit()
+        assert session.after_error is None
+    assert len(reads) <= 21 + 4, reads
+    assert _steps(root) == [4, 8, 12, 16, 20, 24, 25]
 
 
 def test_a_checkpoint_corrupted_between_commits_is_seen_at_the_next(tmp_path):

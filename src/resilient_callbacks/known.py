@@ -7,12 +7,14 @@ of checkpoints (archive points over a long run) had every manifest looked at and
 of each checked at every commit (docs/performance.md).
 
 Which ranks call what: the directory's writer (the coordinator; node-local, each node's
-leader for its own directory), under its retention lock.
+leader for its own directory), under its retention lock; a CommitSession's rank 0 under
+the lock of :func:`shared`.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 
 from . import catalog
 from .catalog import Depth, Entry
@@ -95,6 +97,25 @@ class KnownCheckpoints:
         m = e.manifest
         checked = catalog.check(e.name, e.path, Depth.SIZE, lambda _path: m) if m else None
         return checked is not None and checked.status is catalog.Status.VALID
+
+
+_SHARED: dict[str, tuple[threading.Lock, KnownCheckpoints]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(root: str) -> tuple[threading.Lock, KnownCheckpoints]:
+    """The checkpoints of directory ``root`` as this process's writers that keep none of their
+    own read them (the :class:`~.session.CommitSession` objects used without a Checkpointer, one
+    made for each save: each one's pass read every manifest kept), by the directory's real path,
+    with the lock to hold while using them (sessions in several threads). Sharing them is as
+    safe as keeping them is (a manifest counts only while its file is the one read, whoever
+    changed the directory meanwhile). A directory's stay for the life of the process."""
+    key = os.path.realpath(root)
+    with _SHARED_LOCK:
+        got = _SHARED.get(key)
+        if got is None:
+            got = _SHARED[key] = (threading.Lock(), KnownCheckpoints())
+        return got
 
 
 def _key(path: str) -> _Key | None:

@@ -48,7 +48,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import after_commit_work, catalog, dist
+from . import after_commit_work, catalog, dist, known
 from .blobs import BlobStore, key_of
 from .branches import Tip
 from .commit import CommitStrategy, RenameCommit, point_latest
@@ -463,5 +463,11 @@ class CommitSession:
                 raise after_commit_work.UploadNotQueued(name) from e
         if self.retention is not None:
             protected = {name, *(self.sync.pending() if self.sync is not None else ())}
-            # (a folder it cannot delete is said once, not at every session's pass)
-            apply_retention(self.dirpath, self.retention, self.run_id, protected, said=self.said)
+            # (the manifests read by the passes before, of this process's sessions: a session
+            # per save read every one kept; a folder it cannot delete is said once)
+            lock, seen = known.shared(self.dirpath)
+            with lock:
+                seen.forget(name)  # (its name and inode may be those of one deleted since)
+                apply_retention(
+                    self.dirpath, self.retention, self.run_id, protected, known=seen, said=self.said
+                )
