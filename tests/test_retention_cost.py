@@ -13,6 +13,7 @@ import os
 import shutil
 import zlib
 from pathlib import Path
+from typing import Any
 
 import torch
 from hypothesis import given
@@ -167,16 +168,24 @@ def test_a_checkpoint_deleted_or_replaced_between_commits_is_seen_at_the_next(tm
         assert _steps(tmp_path) == [5, 6]  # (the best of those left: step 5)
 
 
+def _two_saved_and_listed(root: Path) -> tuple[KnownCheckpoints, dict[str, Any]]:
+    """Steps 1 and 2 saved (loss 1.0, 2.0) into ``root``, listed once by a new
+    :class:`KnownCheckpoints` (both manifests read): it, and its candidates by name."""
+    with Checkpointer(str(root), keep_last=None, async_save=False, preemption=False) as ck:
+        for step in (1, 2):
+            ck.save(step, STATE, metrics={"loss": float(step)})
+    cache = KnownCheckpoints()
+    first = {c.name: c for _, c in cache.entries(str(root))}
+    assert cache.looked == 2
+    return cache, first
+
+
 def test_a_manifest_no_longer_the_file_read_is_never_counted_and_is_read_again(tmp_path):
     """A manifest rewritten in place (by hand: another loss), its folder's inode unchanged: what
     was read at the commit before is not taken for it. The next listing sees its file changed
     (one ``stat`` a folder) and reads it again: the loss now written, valid."""
-    with Checkpointer(str(tmp_path), keep_last=None, async_save=False, preemption=False) as ck:
-        for step in (1, 2):
-            ck.save(step, STATE, metrics={"loss": float(step)})
-    known = KnownCheckpoints()
-    first = {c.name: c for _, c in known.entries(str(tmp_path))}
-    assert known.looked == 2 and first["step_000000001"].metrics == {"loss": 1.0}
+    known, first = _two_saved_and_listed(tmp_path)
+    assert first["step_000000001"].metrics == {"loss": 1.0}
     path = tmp_path / "step_000000001" / "manifest.json"
     doc = json.loads(path.read_bytes())
     doc["metrics"] = {"loss": 0.25}
@@ -197,12 +206,8 @@ def test_a_folder_made_again_with_a_deleted_ones_name_and_inode_is_read_at_the_l
     and nobody calls :meth:`~.KnownCheckpoints.forget`: the next listing reads its manifest, not
     the deleted one's (the manifest file's identity differs, whatever the folder's inode)."""
     monkeypatch.setattr(known, "os", _SameInodes())
-    with Checkpointer(str(tmp_path), keep_last=None, async_save=False, preemption=False) as ck:
-        for step in (1, 2):
-            ck.save(step, STATE, metrics={"loss": float(step)})
-    cache = KnownCheckpoints()
-    first = {c.name: c for _, c in cache.entries(str(tmp_path))}
-    assert cache.looked == 2 and first["step_000000002"].metrics == {"loss": 2.0}
+    cache, first = _two_saved_and_listed(tmp_path)
+    assert first["step_000000002"].metrics == {"loss": 2.0}
     shutil.rmtree(tmp_path / "step_000000002")
     shutil.copytree(tmp_path / "step_000000001", tmp_path / "step_000000002")
     again = {c.name: c for _, c in cache.entries(str(tmp_path))}
