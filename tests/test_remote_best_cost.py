@@ -77,7 +77,7 @@ def _three(root: Path) -> None:
             ck.save(step, {"w": torch.zeros(4)}, metrics={"loss": loss})
 
 
-def _is_best(root: Path, name: str, ranked: remote_best.Ranked) -> bool:
+def _is_best(root: Path, name: str, ranked: known.KnownCheckpoints) -> bool:
     run_id = read_manifest(str(root / name)).run_id
     policy = RetentionPolicy(keep_last=1, keep_best=1, monitor="loss")
     return remote_best.is_best(str(root), name, policy, run_id, ranked)
@@ -90,7 +90,7 @@ def test_what_the_ranking_keeps_between_commits_never_answers_for_a_changed_dire
     a file of step 3 of another size (corrupt) makes step 1 the best too."""
     root = tmp_path / "ck"
     _three(root)
-    ranked = remote_best.Ranked()
+    ranked = known.KnownCheckpoints()
     assert not _is_best(root, "step_000000001", ranked)
     assert ranked.looked == 3
     assert not _is_best(root, "step_000000001", ranked)
@@ -106,7 +106,7 @@ def test_what_the_ranking_keeps_between_commits_never_answers_for_a_changed_dire
 
     again = tmp_path / "again"
     _three(again)
-    ranked = remote_best.Ranked()
+    ranked = known.KnownCheckpoints()
     assert not _is_best(again, "step_000000001", ranked)
     tensors = again / "step_000000003" / "rank_00000.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:-1])

@@ -114,10 +114,6 @@ def best(
     return best_names(found_corrupt(catalog.retention_candidates(entries), corrupt), policy, run_id)
 
 
-#: the writer's checkpoints kept between commits (its old name here)
-Ranked = KnownCheckpoints
-
-
 def is_best(
     root: str,
     name: str,
