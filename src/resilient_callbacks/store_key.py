@@ -100,10 +100,7 @@ _CONNECTION_PARTS = {
     "endpointsuffix": "endpointsuffix",
 }
 # the environment variables S3's client takes its endpoint from, in its order
-_ENV_ENDPOINTS = {
-    "s3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
-    "s3a": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
-}
+_S3_ENV_ENDPOINTS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 _S3 = ("s3", "s3a")
 _GCS = ("gs", "gcs")
 _AZURE = ("az", "abfs", "abfss", "adl")
@@ -126,7 +123,7 @@ def configured_endpoint(protocol: str, options: Mapping[str, Any]) -> str:
         return "" if value == "default" else value
     if protocol not in _S3 or _env_endpoints_ignored():
         return ""
-    for var in _ENV_ENDPOINTS.get(protocol, ()):
+    for var in _S3_ENV_ENDPOINTS:
         if value := os.environ.get(var, "").strip():
             return value
     return _profile_endpoint(options.get("profile"))
