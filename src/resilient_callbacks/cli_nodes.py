@@ -108,7 +108,9 @@ def not_uploaded(entries: list[Entry], p: Plan) -> set[str]:
             continue
         assert e.manifest is not None
         key = (os.path.dirname(e.path), e.manifest.run_id)
-        names, newest = seen[key] if key in seen else seen.setdefault(key, _uploads(*key))
+        if key not in seen:
+            seen[key] = _uploads(*key)
+        names, newest = seen[key]
         if names and e.name not in names and e.manifest.created > newest:
             out.add(e.name)
     return out
