@@ -34,10 +34,11 @@ class OwnCalls:
     """Wraps ``engine.load_checkpoint`` and ``engine.save_checkpoint`` (instance attributes,
     like the handle's ``step``) for the handle whose Checkpointer writes ``dirpath``."""
 
-    def __init__(self, engine: Any, dirpath: str, *, attached: bool = False) -> None:
+    def __init__(self, engine: Any, dirpath: str) -> None:
         self.engine, self.dirpath = engine, dirpath
-        # where dirpath and resume were given: rcds.attach's keywords, or the config's section
-        self.attached = attached
+        # where dirpath and resume were given: rcds.attach's keywords (attach() sets it), or
+        # the config's section
+        self.attached = False
         self.warned = False
         self._load, self._save = engine.load_checkpoint, engine.save_checkpoint
         engine.load_checkpoint = self._on_load
