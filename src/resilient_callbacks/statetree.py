@@ -92,9 +92,9 @@ def per_rank_parts(state: Any, path: tuple[Any, ...] = ()) -> dict[str, PerRank]
     return out
 
 
-def rank0_for_new_ranks(state: Any, path: tuple[Any, ...] = ()) -> set[str]:
+def rank0_for_new_ranks(state: Any) -> set[str]:
     """The ids of the ``PerRank(..., new_ranks="rank0")`` in ``state``."""
-    return {i for i, p in per_rank_parts(state, path).items() if p.new_ranks == "rank0"}
+    return {i for i, p in per_rank_parts(state).items() if p.new_ranks == "rank0"}
 
 
 def fileparts(state: Any) -> dict[str, FilePart]:
