@@ -48,7 +48,7 @@ def check_remote(config: CheckpointerConfig) -> None:
         )
     if "://" not in r:
         _warn_if_bucket_like(r)
-        r = "file://" + os.path.abspath(os.path.expanduser(r))
+    r = as_url(r)
     object.__setattr__(config, "remote", r.rstrip("/"))
     if r.startswith("file://"):
         target = os.path.abspath(r[len("file://") :])
@@ -100,3 +100,11 @@ def _warn_if_bucket_like(remote: str) -> None:
         "absolute path, and this warning goes away",
         stacklevel=AT_CALLER,
     )
+
+
+def as_url(remote: str) -> str:
+    """``remote`` as the URL a Checkpointer takes it for: a path without a scheme is a local
+    folder's (``file://`` and its absolute path, ``~`` expanded); a URL as it is."""
+    if "://" in remote:
+        return remote
+    return "file://" + os.path.abspath(os.path.expanduser(remote))

@@ -181,9 +181,12 @@ class RemoteStore:
         """:meth:`scan` and the blobs its listing saw (:func:`.remote_listing.scan_with_blobs`)."""
         return remote_listing.scan_with_blobs(self)
 
+    def read_file(self, name: str, filename: str) -> bytes:
+        """The bytes of file ``filename`` of checkpoint ``name`` in the store."""
+        return self.fs.cat_file(self._path(name, filename))
+
     def read_manifest(self, name: str) -> Manifest:
-        raw = self.fs.cat_file(self._path(name, MANIFEST_NAME))
-        return remote_listing.parse_manifest(self, name, raw)
+        return remote_listing.parse_manifest(self, name, self.read_file(name, MANIFEST_NAME))
 
     def _read_manifests(
         self,

@@ -131,19 +131,17 @@ def _remote_values(options: dict[str, Any]) -> tuple[int, Any] | None:
     :func:`check_restored` refused it: the search stopped where the same search with the local
     disk went on. None where none, or it cannot be read (the restore reads it again)."""
     try:
+        from ..config_remote import as_url
         from ..layout import SHARED_STRUCTURE
         from ..remote import RemoteStore
 
-        url = str(options["remote"])
-        if "://" not in url:  # (as the Checkpointer takes a path: config_remote)
-            url = "file://" + os.path.abspath(os.path.expanduser(url))
-        store = RemoteStore(url, options.get("remote_options") or {})
+        store = RemoteStore(as_url(str(options["remote"])), options.get("remote_options") or {})
         committed = [e for e in store.scan() if e.manifest is not None and e.problem is None]
         if not committed:
             return None
         newest = max(committed, key=lambda e: e.manifest.seq if e.manifest else 0)
         assert newest.manifest is not None
-        raw = store.fs.cat_file(store._path(newest.name, SHARED_STRUCTURE))
+        raw = store.read_file(newest.name, SHARED_STRUCTURE)
         return newest.manifest.step, json.loads(raw)["structure"]["trainer"]
     except Exception as e:  # (the restore reads it again, and says what is wrong)
         log.debug("could not read ahead in the remote store: %s", e)
